@@ -1,0 +1,38 @@
+# fedcomp: two commands on a fresh machine, `make run` and `make test`.
+# Each target creates (or reuses) .venv and installs the project with its extras,
+# using this machine's exact versions from constraints.txt.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.fedcomp-installed
+export FLWR_TELEMETRY_ENABLED := 0
+export FLWR_HOME := $(CURDIR)/.flwr
+
+.PHONY: run test test-slow lint bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[sim,dev]" 2>&1 | grep -v "is ignored" || true
+	$(PY) -c "import fedcomp, clients, strategies, experiments, flwr, torch, hydra" \
+	    || { echo "installation failed: see pip's output above" >&2; exit 1; }
+	touch $(STAMP)
+
+## run: set up, then the main job (a simulation on the embedded digits dataset)
+run: $(STAMP)
+	$(PY) -m experiments.run
+
+## test: set up, then lint and the fast test suite
+test: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m pytest -m "not slow" -q
+
+## test-slow: the slow tests
+test-slow: $(STAMP)
+	$(PY) -m pytest -m slow -q
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+clean:
+	rm -rf $(VENV) .flwr .ray outputs multirun .pytest_cache

@@ -1,0 +1,1 @@
+"""fedcomp's Flower client side: the compression mod and the example ClientApp."""

@@ -1,0 +1,112 @@
+"""The project's example ClientApp: local training on one partition, compressed replies.
+
+``make_client_app()`` builds it (simulation uses the factory directly); the
+module-level ``app`` is what ``flwr run`` and the Deployment Engine load. Every
+setting it needs arrives in the message config (``KEY_TASK``), never in globals.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.clientapp.typing import Mod
+
+from clients.identity import partition_id_of, stable_id_of
+from clients.mod import CompressionMod
+from fedcomp.codecs import TensorPolicy
+from fedcomp.data import client_datasets
+from fedcomp.keys import (
+    KEY_NUM_EXAMPLES,
+    KEY_QUERY,
+    KEY_ROUND,
+    KEY_STABLE_ID,
+    KEY_TASK,
+    QUERY_IDENTITY,
+    RECORD_IDENTITY,
+)
+from fedcomp.models import build_model
+from fedcomp.rng import torch_generator
+from fedcomp.settings import Settings, settings_from_dict, validate
+from fedcomp.training import evaluate, train_local
+
+#: Metric names of the client-side evaluation (aggregated by the strategy).
+METRIC_EVAL_LOSS = "eval_loss"
+METRIC_EVAL_ACC = "eval_acc"
+METRIC_TRAIN_LOSS = "train_loss"
+
+
+def _task(msg: Message) -> Settings:
+    config = next((c for c in msg.content.config_records.values() if KEY_TASK in c), None)
+    if config is None:
+        raise ValueError(
+            f"instruction has no '{KEY_TASK}' config: this ClientApp is driven by "
+            "strategies.wrapper.CompressedStrategy"
+        )
+    return validate(settings_from_dict(json.loads(str(config[KEY_TASK]))))
+
+
+def _round(msg: Message) -> int:
+    config = next((c for c in msg.content.config_records.values() if KEY_ROUND in c), None)
+    return int(config[KEY_ROUND]) if config is not None else 0
+
+
+def _model_from(msg: Message, task: Settings) -> torch.nn.Module:
+    arrays = next(iter(msg.content.array_records.values()))
+    model = build_model(task.model, task.dataset.name, task.seed)
+    model.load_state_dict(arrays.to_torch_state_dict())
+    return model
+
+
+def make_client_app(
+    policy: TensorPolicy | None = None, inner_mods: list[Mod] | None = None
+) -> ClientApp:
+    """Build the example ClientApp with the compression mod outermost.
+
+    ``inner_mods`` run inside the compression mod, so they see the dense reply
+    (e.g. Flower's ``fixedclipping_mod`` for client-side DP clipping).
+    """
+    app = ClientApp(mods=[CompressionMod(policy), *(inner_mods or [])])
+
+    @app.query()
+    def query(msg: Message, context: Context) -> Message:
+        config = next(iter(msg.content.config_records.values()), ConfigRecord())
+        if config.get(KEY_QUERY) != QUERY_IDENTITY:
+            raise ValueError(f"unknown query {config.get(KEY_QUERY)!r}")
+        identity = ConfigRecord({KEY_STABLE_ID: stable_id_of(context)})
+        return Message(RecordDict({RECORD_IDENTITY: identity}), reply_to=msg)
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        torch.set_num_threads(1)  # Ray runs one client per core; more threads oversubscribe
+        task = _task(msg)
+        stable_id = stable_id_of(context)
+        model = _model_from(msg, task)
+        train_set, _ = client_datasets(task, partition_id_of(context))
+        gen = torch_generator(task.seed, "local-train", _round(msg), stable_id)
+        config = next(iter(msg.content.config_records.values()), ConfigRecord())
+        mu = float(config.get("proximal-mu", 0.0))  # set by Flower's FedProx
+        loss = train_local(model, train_set, task.train, gen, proximal_mu=mu)
+        metrics = MetricRecord({KEY_NUM_EXAMPLES: len(train_set), METRIC_TRAIN_LOSS: loss})
+        content = RecordDict({"arrays": ArrayRecord(model.state_dict()), "metrics": metrics})
+        return Message(content, reply_to=msg)
+
+    @app.evaluate()
+    def evaluate_local(msg: Message, context: Context) -> Message:
+        torch.set_num_threads(1)
+        task = _task(msg)
+        model = _model_from(msg, task)
+        train_set, val_set = client_datasets(task, partition_id_of(context))
+        data = val_set if len(val_set) > 0 else train_set
+        loss, acc = evaluate(model, data)
+        metrics = MetricRecord(
+            {KEY_NUM_EXAMPLES: len(data), METRIC_EVAL_LOSS: loss, METRIC_EVAL_ACC: acc}
+        )
+        return Message(RecordDict({"metrics": metrics}), reply_to=msg)
+
+    return app
+
+
+app = make_client_app()

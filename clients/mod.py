@@ -1,0 +1,187 @@
+"""The compression mod: encodes a ClientApp's train reply as packed payloads.
+
+Add it to any ClientApp whose train handler replies with one ArrayRecord (the
+trained model) and one MetricRecord holding ``num-examples``::
+
+    from clients.mod import CompressionMod
+    app = ClientApp(mods=[CompressionMod()])
+
+On the server, wrap the strategy with ``strategies.wrapper.CompressedStrategy``:
+it sends the codec spec this mod needs (``KEY_CODEC``); without it the mod answers
+with an Error naming the wrapper, as Flower's central-DP mods do.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import torch
+from flwr.app import (
+    Array,
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Error,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
+from flwr.clientapp.typing import ClientAppCallable
+from flwr.common.constant import ErrorCode
+
+from clients.identity import stable_id_of
+from fedcomp.codecs import Codec, TensorPolicy, make_codec, make_codec_from_spec
+from fedcomp.keys import (
+    KEY_CODEC,
+    KEY_EXPECTED_ID,
+    KEY_NUM_EXAMPLES,
+    KEY_PROTOCOL,
+    KEY_ROUND,
+    KEY_RUN_SEED,
+    KEY_STABLE_ID,
+    METRIC_CODEC_BYTES,
+    METRIC_ENCODE_S,
+    METRIC_FP32_CODEC_BYTES,
+    METRIC_FP32_CONTENT_WIRE_BYTES,
+    PROTOCOL_VERSION,
+    RECORD_HEADER,
+    RECORD_PAYLOAD,
+)
+from fedcomp.rng import derive_seed
+
+_WRAPPER = "strategies.wrapper.CompressedStrategy"
+
+
+def _precondition_error(msg: Message, reason: str) -> Message:
+    return Message(Error(code=ErrorCode.MOD_FAILED_PRECONDITION, reason=reason), reply_to=msg)
+
+
+def _single(records: dict, kind: str, where: str) -> tuple[str, object]:
+    if len(records) != 1:
+        raise ValueError(f"{where} must hold exactly one {kind}, found {len(records)}")
+    return next(iter(records.items()))
+
+
+def content_wire_bytes(content: RecordDict) -> int:
+    """Deflated size of a RecordDict's objects (what a SuperNode pushes for it)."""
+    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+
+    return sum(len(obj.deflate()) for obj in get_all_nested_objects(content).values())
+
+
+def _packed(payload: bytes) -> Array:
+    """A raw uint8 Array: no np.save header, the bytes travel as they are."""
+    return Array(dtype="uint8", shape=(len(payload),), stype="raw", data=payload)
+
+
+def payload_content(payloads: dict[str, bytes]) -> RecordDict:
+    """The reply content holding one packed payload per tensor, in model order.
+
+    The server measures the wire bytes of exactly this shape of RecordDict, so the
+    fp32 reference and the real payload differ only in the payload bytes.
+    """
+    return RecordDict({RECORD_PAYLOAD: ArrayRecord({n: _packed(b) for n, b in payloads.items()})})
+
+
+class CompressionMod:
+    """Flower mod that replaces a train reply's model with encoded updates.
+
+    Parameters
+    ----------
+    policy : TensorPolicy, optional
+        Which tensors travel raw (integer buffers, tensors below a size threshold).
+    measure_fp32_reference : bool (default: True)
+        Also measure the fp32 codec's bytes on the same tensors, the denominator
+        of the reported compression ratios (costs one extra dense serialization).
+    """
+
+    def __init__(
+        self, policy: TensorPolicy | None = None, *, measure_fp32_reference: bool = True
+    ) -> None:
+        self.policy = policy or TensorPolicy()
+        self.measure_fp32_reference = measure_fp32_reference
+        self._fp32 = make_codec("fp32")
+
+    def __call__(self, msg: Message, ctxt: Context, call_next: ClientAppCallable) -> Message:
+        if msg.metadata.message_type != MessageType.TRAIN:
+            return call_next(msg, ctxt)
+        config = next((c for c in msg.content.config_records.values() if KEY_CODEC in c), None)
+        if config is None:
+            return _precondition_error(
+                msg,
+                f"CompressionMod: the train instruction has no '{KEY_CODEC}' config; "
+                f"wrap the server strategy with {_WRAPPER}.",
+            )
+        if int(config.get(KEY_PROTOCOL, -1)) != PROTOCOL_VERSION:
+            return _precondition_error(
+                msg,
+                f"CompressionMod: server protocol {config.get(KEY_PROTOCOL)!r}, "
+                f"this client speaks {PROTOCOL_VERSION}",
+            )
+        try:
+            codec = make_codec_from_spec(json.loads(str(config[KEY_CODEC])))
+            stable_id = stable_id_of(ctxt)
+        except ValueError as exc:
+            return _precondition_error(msg, f"CompressionMod: {exc}")
+        expected = config.get(KEY_EXPECTED_ID)
+        if expected is not None and int(expected) != stable_id:
+            return _precondition_error(
+                msg,
+                f"CompressionMod: server expected stable id {expected}, this node is {stable_id}",
+            )
+        _, global_record = _single(msg.content.array_records, "ArrayRecord", "train instruction")
+
+        reply = call_next(msg, ctxt)
+        if reply.has_error():
+            return reply
+        _, local_record = _single(reply.content.array_records, "ArrayRecord", "train reply")
+        _, metrics = _single(reply.content.metric_records, "MetricRecord", "train reply")
+        if KEY_NUM_EXAMPLES not in metrics:
+            raise ValueError(f"train reply metrics lack '{KEY_NUM_EXAMPLES}'")
+        if set(local_record.keys()) != set(global_record.keys()):
+            raise ValueError("train reply arrays do not have the instruction's keys")
+
+        server_round = int(config[KEY_ROUND])
+        run_seed = int(config[KEY_RUN_SEED])
+        deltas = {
+            name: torch.from_numpy(np.asarray(local_record[name].numpy()))
+            - torch.from_numpy(np.asarray(global_record[name].numpy()))
+            for name in global_record.keys()
+        }
+        seeds = {name: derive_seed(run_seed, server_round, stable_id, name) for name in deltas}
+        t0 = time.perf_counter()
+        payloads = self._encode_all(codec, deltas, seeds)
+        encode_s = time.perf_counter() - t0
+
+        out_metrics = MetricRecord(dict(metrics))
+        out_metrics[METRIC_ENCODE_S] = encode_s
+        out_metrics[METRIC_CODEC_BYTES] = sum(len(b) for b in payloads.values())
+        if self.measure_fp32_reference:
+            reference = self._encode_all(self._fp32, deltas, seeds)
+            out_metrics[METRIC_FP32_CODEC_BYTES] = sum(len(b) for b in reference.values())
+            out_metrics[METRIC_FP32_CONTENT_WIRE_BYTES] = content_wire_bytes(
+                payload_content(reference)
+            )
+        header = ConfigRecord(
+            {
+                KEY_STABLE_ID: stable_id,
+                KEY_PROTOCOL: PROTOCOL_VERSION,
+                KEY_ROUND: server_round,
+                KEY_CODEC: json.dumps(codec.spec(), sort_keys=True),
+            }
+        )
+        content = payload_content(payloads)
+        content[RECORD_HEADER] = header
+        content["metrics"] = out_metrics
+        return Message(content, reply_to=msg)
+
+    def _encode_all(
+        self, codec: Codec, deltas: dict[str, torch.Tensor], seeds: dict[str, int]
+    ) -> dict[str, bytes]:
+        return {
+            name: bytes(self.policy.codec_for(delta, codec).encode(delta, seed=seeds[name]))
+            for name, delta in deltas.items()
+        }

@@ -1,0 +1,54 @@
+"""One Flower simulation of the configured job (flwr.simulation, Ray backend)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from experiments.runtime import ray_temp_dir
+from fedcomp.data import check_data_settings
+from fedcomp.settings import Settings, validate
+
+
+def backend_config(settings: Settings, *, verbose: bool = False) -> dict[str, Any]:
+    """Ray resources: parallel clients = num_cpus / cpus_per_client.
+
+    Client errors reach the server in the replies (and are logged there), so the
+    actors' own output is forwarded to the driver only when ``verbose``.
+    """
+    sim = settings.simulation
+    return {
+        "client_resources": {"num_cpus": sim.cpus_per_client, "num_gpus": sim.gpus_per_client},
+        "init_args": {
+            "num_cpus": sim.num_cpus,
+            "num_gpus": 0 if sim.gpus_per_client == 0 else None,
+            "_temp_dir": ray_temp_dir(),
+            "include_dashboard": False,
+            "logging_level": logging.ERROR,
+            "log_to_driver": verbose,
+        },
+    }
+
+
+def simulate(settings: Settings, *, verbose: bool = False) -> dict[str, Any]:
+    """Validate (before Ray starts), run the simulation, return the results object."""
+    validate(settings)
+    check_data_settings(settings)
+    from flwr.simulation import run_simulation
+
+    from clients.client_app import make_client_app
+    from strategies.server_app import make_server_app
+
+    holder: dict[str, Any] = {}
+    config = backend_config(settings, verbose=verbose)
+    if config["init_args"]["num_gpus"] is None:
+        del config["init_args"]["num_gpus"]
+    run_simulation(
+        server_app=make_server_app(settings, on_results=holder.update),
+        client_app=make_client_app(),
+        num_supernodes=settings.num_clients,
+        backend_config=config,
+    )
+    if not holder:
+        raise RuntimeError("the simulation ended without results (see the log above)")
+    return holder

@@ -1,0 +1,91 @@
+"""The stateless codec shape, the codec registry, and context-free decoding."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import torch
+
+from fedcomp.codecs.wire import Payload, PayloadError, PayloadHeader, parse_payload
+
+
+class Codec(ABC):
+    """A stateless per-client codec: ``encode(x, seed=...) -> Payload`` and back.
+
+    Subclasses are thin classes around pure functions; their parameters are
+    validated at construction. Everything :meth:`decode` needs travels in the
+    payload, so decoding is a class-level operation (:meth:`decode_payload`).
+    """
+
+    #: Wire id (one byte). Part of the format: never reuse a retired id.
+    codec_id: ClassVar[int]
+    #: Registry name, as used by ``make_codec`` and Hydra's ``codec.name``.
+    name: ClassVar[str]
+    #: True when E[decode(encode(x))] = x (a claim backed by a test).
+    unbiased: ClassVar[bool]
+
+    @abstractmethod
+    def encode(self, x: torch.Tensor, *, seed: int) -> Payload:
+        """Encode one tensor; ``seed`` is the derived public seed for this tensor."""
+
+    @classmethod
+    @abstractmethod
+    def decode_payload(cls, payload: Payload) -> torch.Tensor:
+        """Decode a payload of this codec (header already parsed)."""
+
+    def decode(self, payload: Payload) -> torch.Tensor:
+        """Decode a payload produced by :meth:`encode`."""
+        return type(self).decode_payload(payload)
+
+    def spec(self) -> dict[str, Any]:
+        """The spec that rebuilds this codec with ``make_codec(**spec)``."""
+        return {"name": self.name}
+
+
+_BY_ID: dict[int, type[Codec]] = {}
+_BY_NAME: dict[str, type[Codec]] = {}
+
+
+def register(cls: type[Codec]) -> type[Codec]:
+    """Class decorator adding a codec to the registry (ids and names are unique)."""
+    if cls.codec_id in _BY_ID or cls.name in _BY_NAME:
+        raise RuntimeError(f"codec {cls.name!r} / id {cls.codec_id} registered twice")
+    _BY_ID[cls.codec_id] = cls
+    _BY_NAME[cls.name] = cls
+    return cls
+
+
+def codec_names() -> list[str]:
+    """Names accepted by ``make_codec``."""
+    return sorted(_BY_NAME)
+
+
+def codec_class(name: str) -> type[Codec]:
+    """Look up a codec class by name, with an error listing the known ones."""
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown codec {name!r}; known codecs: {', '.join(codec_names())}"
+        ) from None
+
+
+def decode_bytes(buf: bytes | bytearray | memoryview) -> torch.Tensor:
+    """Decode a complete payload buffer with no other context.
+
+    Raises
+    ------
+    PayloadError
+        When the buffer is malformed, truncated, oversized or names an unknown codec.
+    """
+    payload = parse_payload(buf)
+    cls = _BY_ID.get(payload.header.codec_id)
+    if cls is None:
+        raise PayloadError(f"unknown codec id {payload.header.codec_id}")
+    return cls.decode_payload(payload)
+
+
+def header_for(codec_id: int, x: torch.Tensor, seed: int = 0) -> PayloadHeader:
+    """The payload header describing tensor ``x``."""
+    return PayloadHeader(codec_id=codec_id, dtype=x.dtype, shape=tuple(x.shape), seed=seed)

@@ -1,0 +1,72 @@
+"""Dense codecs: ``raw`` (the tensor's own bytes) and ``fp32`` (the identity baseline)."""
+
+from __future__ import annotations
+
+import torch
+
+from fedcomp.codecs.base import Codec, header_for, register
+from fedcomp.codecs.wire import Payload, PayloadError
+
+
+def tensor_to_bytes(x: torch.Tensor) -> bytes:
+    """The little-endian bytes of a tensor's elements in its own dtype."""
+    flat = x.detach().reshape(-1).contiguous().cpu()
+    if flat.dtype == torch.bool:
+        flat = flat.to(torch.uint8)
+    return flat.view(torch.uint8).numpy().tobytes()
+
+
+def bytes_to_tensor(body: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """Inverse of :func:`tensor_to_bytes`; checks the size before building anything."""
+    storage_dtype = torch.uint8 if dtype == torch.bool else dtype
+    itemsize = torch.empty((), dtype=storage_dtype).element_size()
+    numel = 1
+    for d in shape:
+        numel *= d
+    if len(body) != numel * itemsize:
+        raise PayloadError(
+            f"body has {len(body)} bytes, shape {tuple(shape)} of {dtype} needs {numel * itemsize}"
+        )
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    flat = torch.frombuffer(bytearray(body), dtype=torch.uint8).view(storage_dtype)
+    out = flat.reshape(shape).clone()
+    return out.to(torch.bool) if dtype == torch.bool else out
+
+
+@register
+class RawCodec(Codec):
+    """Exact bytes in the tensor's own dtype: integer buffers and small tensors."""
+
+    codec_id = 0
+    name = "raw"
+    unbiased = True
+
+    def encode(self, x: torch.Tensor, *, seed: int = 0) -> Payload:
+        return Payload(header_for(self.codec_id, x), tensor_to_bytes(x))
+
+    @classmethod
+    def decode_payload(cls, payload: Payload) -> torch.Tensor:
+        h = payload.header
+        return bytes_to_tensor(payload.body, h.dtype, h.shape)
+
+
+@register
+class Fp32Codec(Codec):
+    """The identity baseline: float32 values (exact for fp32, fp16 and bf16 inputs)."""
+
+    codec_id = 1
+    name = "fp32"
+    unbiased = True
+
+    def encode(self, x: torch.Tensor, *, seed: int = 0) -> Payload:
+        if not x.is_floating_point():
+            raise ValueError(f"fp32 codec needs a floating-point tensor, got {x.dtype}")
+        return Payload(header_for(self.codec_id, x), tensor_to_bytes(x.to(torch.float32)))
+
+    @classmethod
+    def decode_payload(cls, payload: Payload) -> torch.Tensor:
+        h = payload.header
+        if not h.dtype.is_floating_point:
+            raise PayloadError(f"fp32 payload declares a non-float dtype {h.dtype}")
+        return bytes_to_tensor(payload.body, torch.float32, h.shape).to(h.dtype)

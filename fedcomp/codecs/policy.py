@@ -1,0 +1,32 @@
+"""Tensor policy: which tensors are compressed and which travel raw."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fedcomp.codecs.base import Codec
+from fedcomp.codecs.dense import RawCodec
+
+_RAW = RawCodec()
+
+
+@dataclass(frozen=True)
+class TensorPolicy:
+    """Integer buffers (e.g. ``num_batches_tracked``) and tensors with fewer than
+    ``min_numel`` elements travel raw: compressing them saves nothing next to the
+    fixed per-message overhead, and integer counters must stay exact.
+    """
+
+    min_numel: int = 0
+
+    def __post_init__(self) -> None:
+        if self.min_numel < 0:
+            raise ValueError(f"min_numel must be >= 0, got {self.min_numel!r}")
+
+    def codec_for(self, x: torch.Tensor, codec: Codec) -> Codec:
+        """The codec that tensor ``x`` travels with."""
+        if not x.is_floating_point() or x.numel() < self.min_numel:
+            return _RAW
+        return codec

@@ -1,0 +1,128 @@
+"""The payload wire format: a fixed little-endian header, then the codec's body.
+
+Layout (all little-endian)::
+
+    offset  size  field
+    0       2     magic b"FC"
+    2       1     format version (WIRE_VERSION)
+    3       1     codec id
+    4       1     dtype code of the original tensor
+    5       1     ndim (<= MAX_NDIM)
+    6       2     reserved, zero
+    8       8     derived seed (0 when the codec draws nothing the server regenerates)
+    16      4*nd  shape, one uint32 per dimension
+    ...           body (codec specific; starts with the codec's own parameters)
+
+Everything decode needs is here, so :func:`decode_bytes` works with no context.
+Parsing checks sizes before anything is allocated from them.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+
+import torch
+
+MAGIC = b"FC"
+WIRE_VERSION = 1
+MAX_NDIM = 8
+_FIXED = struct.Struct("<2sBBBBHQ")
+HEADER_FIXED_BYTES = _FIXED.size
+
+#: dtype <-> one-byte code. Codes are part of the wire format: never renumber.
+DTYPE_CODES: dict[torch.dtype, int] = {
+    torch.float32: 0,
+    torch.float16: 1,
+    torch.bfloat16: 2,
+    torch.float64: 3,
+    torch.int64: 4,
+    torch.int32: 5,
+    torch.int16: 6,
+    torch.int8: 7,
+    torch.uint8: 8,
+    torch.bool: 9,
+}
+CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+
+
+class PayloadError(ValueError):
+    """A buffer that is not a valid fedcomp payload (truncated, malformed, unknown)."""
+
+
+@dataclass(frozen=True)
+class PayloadHeader:
+    """The decoded fixed header of a payload."""
+
+    codec_id: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    seed: int = 0
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def pack(self) -> bytes:
+        if len(self.shape) > MAX_NDIM:
+            raise ValueError(f"tensors of more than {MAX_NDIM} dimensions are not supported")
+        if any(not 0 <= d < 2**32 for d in self.shape):
+            raise ValueError(f"shape {self.shape} does not fit the wire format")
+        fixed = _FIXED.pack(
+            MAGIC,
+            WIRE_VERSION,
+            self.codec_id,
+            DTYPE_CODES[self.dtype],
+            len(self.shape),
+            0,
+            self.seed,
+        )
+        return fixed + struct.pack(f"<{len(self.shape)}I", *self.shape)
+
+
+@dataclass(frozen=True)
+class Payload:
+    """A packed, self-describing encoding of one tensor: header + body bytes."""
+
+    header: PayloadHeader
+    body: bytes
+
+    def __bytes__(self) -> bytes:
+        return self.header.pack() + self.body
+
+    def __len__(self) -> int:
+        return HEADER_FIXED_BYTES + 4 * len(self.header.shape) + len(self.body)
+
+
+def parse_payload(buf: bytes | bytearray | memoryview) -> Payload:
+    """Split a buffer into header and body, validating the fixed fields.
+
+    Raises
+    ------
+    PayloadError
+        On a short buffer, a wrong magic, an unsupported format version, an unknown
+        dtype code or too many dimensions.
+    """
+    view = memoryview(buf).cast("B")
+    if len(view) < HEADER_FIXED_BYTES:
+        raise PayloadError(
+            f"truncated payload: {len(view)} bytes, header needs {HEADER_FIXED_BYTES}"
+        )
+    magic, version, codec_id, dtype_code, ndim, reserved, seed = _FIXED.unpack_from(view, 0)
+    if magic != MAGIC:
+        raise PayloadError(f"not a fedcomp payload (magic {bytes(magic)!r})")
+    if version != WIRE_VERSION:
+        raise PayloadError(f"unsupported payload format version {version} (this is {WIRE_VERSION})")
+    if dtype_code not in CODE_DTYPES:
+        raise PayloadError(f"unknown dtype code {dtype_code}")
+    if ndim > MAX_NDIM:
+        raise PayloadError(f"payload claims {ndim} dimensions (max {MAX_NDIM})")
+    if reserved != 0:
+        raise PayloadError("reserved header field is not zero")
+    end = HEADER_FIXED_BYTES + 4 * ndim
+    if len(view) < end:
+        raise PayloadError(f"truncated payload: shape needs {end} bytes, got {len(view)}")
+    shape = struct.unpack_from(f"<{ndim}I", view, HEADER_FIXED_BYTES)
+    header = PayloadHeader(codec_id=codec_id, dtype=CODE_DTYPES[dtype_code], shape=shape, seed=seed)
+    return Payload(header=header, body=bytes(view[end:]))

@@ -1,0 +1,48 @@
+"""Record and config keys shared by the client mod and the server strategy wrapper.
+
+The client side (``clients``) and the server side (``strategies``) never import
+each other; they agree on these names instead, as Flower's DP mods and wrappers do.
+"""
+
+#: Version of the fedcomp message protocol (header fields and record layout).
+PROTOCOL_VERSION = 1
+
+# --- Instruction (server -> client) config keys -----------------------------------
+#: JSON-encoded codec spec, e.g. ``{"name": "fp32"}``. Its presence tells the mod
+#: that a fedcomp strategy wrapper is on the server.
+KEY_CODEC = "fedcomp.codec"
+#: Round number the instruction belongs to.
+KEY_ROUND = "fedcomp.round"
+#: Run seed from which all public randomness is derived.
+KEY_RUN_SEED = "fedcomp.run-seed"
+#: JSON-encoded settings the ClientApp needs (dataset, partition, model, training).
+KEY_TASK = "fedcomp.task"
+#: Protocol version the server speaks.
+KEY_PROTOCOL = "fedcomp.protocol"
+#: The stable id the server believes this node has (checked by the client).
+KEY_EXPECTED_ID = "fedcomp.expected-id"
+#: Query kind for first-contact identity queries.
+KEY_QUERY = "fedcomp.query"
+QUERY_IDENTITY = "identity"
+
+# --- Reply (client -> server) record names and header keys ------------------------
+#: ArrayRecord holding one packed uint8 payload per tensor.
+RECORD_PAYLOAD = "fedcomp.payload"
+#: ConfigRecord holding the reply header.
+RECORD_HEADER = "fedcomp.header"
+#: ConfigRecord in identity replies.
+RECORD_IDENTITY = "fedcomp.identity"
+#: Stable client id (the partition id unless configured otherwise).
+KEY_STABLE_ID = "fedcomp.stable-id"
+
+# --- Reply metrics (MetricRecord "metrics") ----------------------------------------
+KEY_NUM_EXAMPLES = "num-examples"
+METRIC_ENCODE_S = "fedcomp.encode-s"
+METRIC_CODEC_BYTES = "fedcomp.codec-bytes"
+METRIC_FP32_CODEC_BYTES = "fedcomp.fp32-codec-bytes"
+METRIC_FP32_CONTENT_WIRE_BYTES = "fedcomp.fp32-content-wire-bytes"
+
+#: Node-config keys a SuperNode may carry to name its stable id.
+NODE_CONFIG_STABLE_ID = "stable-id"
+NODE_CONFIG_PARTITION_ID = "partition-id"
+NODE_CONFIG_NUM_PARTITIONS = "num-partitions"

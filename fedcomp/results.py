@@ -1,0 +1,185 @@
+"""The one shape of ``results.json``, its validator, and its reader and writer.
+
+Every writer (the ServerApp) and every reader (the report, the tests) goes through
+:func:`validate_results`, so a file that exists is a file that has this shape::
+
+    {"schema_version": 1,
+     "config": {...resolved settings...},
+     "rounds": [{"round": 1, "accuracy": ..., "loss": ..., "client_accuracy": ...,
+                 "client_loss": ..., "uplink_codec_bytes": ..., "uplink_record_bytes": ...,
+                 "uplink_wire_bytes": ..., "downlink_record_bytes": ...,
+                 "downlink_wire_bytes": ..., "per_client": [...], "decode_s": ...,
+                 "aggregate_s": ..., "round_s": ..., "selected": ..., "replied": ...,
+                 "failures": ..., "resyncs": ..., "nonfinite": ..., "faults": {...},
+                 "codec": {...}}, ...],
+     "summary": {"final_accuracy": ..., "uplink_wire_bytes_total": ..., "wall_s": ...,
+                 "ratio_vs_fp32_codec": ..., "ratio_vs_fp32_wire": ...}}
+
+Byte counts are measured from real payloads and messages, never computed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+_NUM = (int, float)
+_OPT_NUM = (int, float, type(None))
+
+ROUND_FIELDS: dict[str, tuple[type, ...]] = {
+    "round": (int,),
+    "accuracy": _OPT_NUM,
+    "loss": _OPT_NUM,
+    "client_accuracy": _OPT_NUM,
+    "client_loss": _OPT_NUM,
+    "uplink_codec_bytes": (int,),
+    "uplink_record_bytes": (int,),
+    "uplink_wire_bytes": (int,),
+    "downlink_record_bytes": (int,),
+    "downlink_wire_bytes": (int,),
+    "per_client": (list,),
+    "decode_s": _NUM,
+    "aggregate_s": _NUM,
+    "round_s": _NUM,
+    "selected": (int,),
+    "replied": (int,),
+    "failures": (int,),
+    "resyncs": (int,),
+    "nonfinite": (int,),
+    "faults": (dict,),
+    "codec": (dict,),
+}
+
+CLIENT_FIELDS: dict[str, tuple[type, ...]] = {
+    "client": (int,),
+    "uplink_codec_bytes": (int,),
+    "uplink_record_bytes": (int,),
+    "uplink_wire_bytes": (int,),
+    "downlink_record_bytes": (int,),
+    "downlink_wire_bytes": (int,),
+    "encode_s": _NUM,
+    "num_examples": (int,),
+}
+
+SUMMARY_FIELDS: dict[str, tuple[type, ...]] = {
+    "final_accuracy": _OPT_NUM,
+    "uplink_wire_bytes_total": (int,),
+    "wall_s": _NUM,
+    "ratio_vs_fp32_codec": _OPT_NUM,
+    "ratio_vs_fp32_wire": _OPT_NUM,
+}
+
+
+class ResultsError(ValueError):
+    """A results object or file that does not have the schema's shape."""
+
+
+def _check_fields(obj: Any, fields: Mapping[str, tuple[type, ...]], where: str) -> None:
+    if not isinstance(obj, Mapping):
+        raise ResultsError(f"{where}: expected an object, got {type(obj).__name__}")
+    missing = [k for k in fields if k not in obj]
+    if missing:
+        raise ResultsError(f"{where}: missing field(s) {', '.join(missing)}")
+    for key, types in fields.items():
+        value = obj[key]
+        if isinstance(value, bool) or not isinstance(value, types):
+            raise ResultsError(f"{where}.{key}: {value!r} is not of type {types}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ResultsError(f"{where}.{key}: non-finite value {value!r}")
+
+
+def validate_results(obj: Any) -> dict[str, Any]:
+    """Check that ``obj`` has the results shape; return it.
+
+    Raises
+    ------
+    ResultsError
+        Naming the first field that is missing or of the wrong type.
+    """
+    if not isinstance(obj, Mapping):
+        raise ResultsError("results: expected an object")
+    if obj.get("schema_version") != SCHEMA_VERSION:
+        raise ResultsError(
+            f"results.schema_version: {obj.get('schema_version')!r}, expected {SCHEMA_VERSION}"
+        )
+    if not isinstance(obj.get("config"), Mapping):
+        raise ResultsError("results.config: expected an object")
+    rounds = obj.get("rounds")
+    if not isinstance(rounds, list):
+        raise ResultsError("results.rounds: expected a list")
+    for i, rnd in enumerate(rounds):
+        _check_fields(rnd, ROUND_FIELDS, f"rounds[{i}]")
+        if rnd["round"] != i + 1:
+            raise ResultsError(f"rounds[{i}].round: {rnd['round']}, expected {i + 1}")
+        for j, client in enumerate(rnd["per_client"]):
+            _check_fields(client, CLIENT_FIELDS, f"rounds[{i}].per_client[{j}]")
+    _check_fields(obj.get("summary"), SUMMARY_FIELDS, "summary")
+    return dict(obj)
+
+
+def _ratio(numerator: int, denominator: int) -> float | None:
+    return numerator / denominator if denominator > 0 else None
+
+
+def build_results(
+    config: Mapping[str, Any], rounds: Sequence[Mapping[str, Any]], *, wall_s: float
+) -> dict[str, Any]:
+    """Assemble and validate a results object from per-round records.
+
+    The compression ratios compare, over the replies that were decoded, the MEASURED
+    bytes of the same updates under the fp32 codec (``codec.fp32_codec_bytes``,
+    ``codec.fp32_wire_bytes``) with the bytes actually sent for them
+    (``codec.decoded_codec_bytes``, ``codec.decoded_wire_bytes``).
+    """
+    codec_total = sum(r["uplink_codec_bytes"] for r in rounds)
+    wire_total = sum(r["uplink_wire_bytes"] for r in rounds)
+
+    def total(key: str) -> int:
+        return sum(int(r["codec"].get(key, 0)) for r in rounds)
+
+    evaluated = [r["accuracy"] for r in rounds if r["accuracy"] is not None]
+    summary = {
+        "final_accuracy": evaluated[-1] if evaluated else None,
+        "uplink_wire_bytes_total": wire_total,
+        "uplink_codec_bytes_total": codec_total,
+        "wall_s": wall_s,
+        "ratio_vs_fp32_codec": _ratio(total("fp32_codec_bytes"), total("decoded_codec_bytes")),
+        "ratio_vs_fp32_wire": _ratio(total("fp32_wire_bytes"), total("decoded_wire_bytes")),
+    }
+    return validate_results(
+        {
+            "schema_version": SCHEMA_VERSION,
+            "config": dict(config),
+            "rounds": [dict(r) for r in rounds],
+            "summary": summary,
+        }
+    )
+
+
+def write_results(path: str | os.PathLike[str], results: Mapping[str, Any]) -> Path:
+    """Validate and write atomically (a reader never sees a half-written file)."""
+    validate_results(results)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(results, indent=1, sort_keys=False) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def load_results(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read and validate a results.json file."""
+    try:
+        obj = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as exc:
+        raise ResultsError(f"{path}: not valid JSON ({exc})") from exc
+    try:
+        return validate_results(obj)
+    except ResultsError as exc:
+        raise ResultsError(f"{path}: {exc}") from exc

@@ -1,0 +1,348 @@
+"""Run settings: one typed tree shared by Hydra, ``flwr run`` and the apps.
+
+Hydra composes ``conf/`` against these dataclasses (registered as a structured
+config in ``experiments``), so a wrong type or a missing value fails at
+composition. The apps receive the same tree either directly (simulation) or as
+Flower's flat run config (``flwr run``, the Deployment Engine) through the one
+documented mapping, :func:`flatten` / :func:`unflatten`:
+
+- nested keys are joined with dots: ``{"partition": {"alpha": 0.3}}`` becomes
+  ``{"partition.alpha": 0.3}``;
+- bool, int, float and str values stay as they are;
+- anything else (lists, dicts, ``None``) and any string that starts with
+  ``json:`` becomes the string ``"json:" + json.dumps(value)``.
+
+:func:`validate` checks values (names, ranges) and raises ``ValueError`` naming
+the key, the value and what is allowed. It runs before any Flower or Ray start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+JSON_PREFIX = "json:"
+
+DATASETS = ("digits",)
+PARTITIONS = ("dirichlet", "iid")
+MODELS = ("mlp",)
+STRATEGIES = (
+    "fedavg",
+    "fedavgm",
+    "fedprox",
+    "fedadam",
+    "fedyogi",
+    "fedadagrad",
+    "fedmedian",
+    "fedtrimmedavg",
+)
+HANDOFFS = ("per_client", "pre_aggregated")
+
+
+@dataclass
+class DatasetSettings:
+    """Which dataset, and how the server's held-out test split is cut."""
+
+    name: str = "digits"
+    test_fraction: float = 0.2
+
+
+@dataclass
+class PartitionSettings:
+    """How the training split is divided among clients (flwr-datasets partitioners)."""
+
+    name: str = "dirichlet"
+    alpha: float = 0.3
+    min_partition_size: int = 10
+    #: Fraction of each client's partition held out for client-side evaluation.
+    val_fraction: float = 0.2
+
+
+@dataclass
+class ModelSettings:
+    """The model family and its size."""
+
+    name: str = "mlp"
+    hidden: list[int] = field(default_factory=lambda: [512, 128])
+
+
+@dataclass
+class TrainSettings:
+    """Local training on each client."""
+
+    local_epochs: int = 5
+    batch_size: int = 32
+    lr: float = 0.05
+    momentum: float = 0.9
+
+
+@dataclass
+class AggregationSettings:
+    """How decoded client updates reach the inner Flower strategy."""
+
+    handoff: str = "per_client"
+
+
+@dataclass
+class SimulationSettings:
+    """Ray resources for flwr.simulation, sized for this 2-core machine by default."""
+
+    num_cpus: int = 2
+    cpus_per_client: float = 1.0
+    gpus_per_client: float = 0.0
+    #: Seconds the server waits for replies in one round.
+    round_timeout: float = 600.0
+
+
+@dataclass
+class Settings:
+    """The whole run. Field names are the Hydra keys and the flat run-config keys."""
+
+    seed: int = 0
+    num_rounds: int = 10
+    num_clients: int = 10
+    dataset: DatasetSettings = field(default_factory=DatasetSettings)
+    partition: PartitionSettings = field(default_factory=PartitionSettings)
+    model: ModelSettings = field(default_factory=ModelSettings)
+    train: TrainSettings = field(default_factory=TrainSettings)
+    #: Codec spec: ``name`` plus the codec's own parameters (checked by make_codec).
+    codec: dict[str, Any] = field(default_factory=lambda: {"name": "fp32"})
+    #: Strategy spec: ``name`` plus the Flower strategy's keyword arguments.
+    strategy: dict[str, Any] = field(default_factory=lambda: {"name": "fedavg"})
+    #: Fractions of the known clients sampled per round (by the wrapper, seeded).
+    fraction_train: float = 1.0
+    fraction_evaluate: float = 1.0
+    aggregation: AggregationSettings = field(default_factory=AggregationSettings)
+    simulation: SimulationSettings = field(default_factory=SimulationSettings)
+    #: Where the ServerApp writes results.json ("" = do not write).
+    results_path: str = ""
+
+
+# ---------------------------------------------------------------------------------
+# dict <-> dataclass with type checks
+# ---------------------------------------------------------------------------------
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(value: Any, tp: Any, key: str) -> Any:
+    """Convert ``value`` to type ``tp`` or raise ``ValueError`` naming ``key``."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            raise ValueError(f"{key}: expected a mapping, got {value!r}")
+        return _from_mapping(tp, value, key + ".")
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _convert(value, inner[0], key)
+    if origin is list:
+        if not isinstance(value, list | tuple):
+            raise ValueError(f"{key}: expected a list, got {value!r}")
+        (item_tp,) = typing.get_args(tp)
+        return [_convert(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ValueError(f"{key}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{key}: expected a bool, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{key}: expected an int, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"{key}: expected a float, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{key}: expected a str, got {value!r}")
+        return value
+    raise TypeError(f"{key}: unsupported settings type {_type_name(tp)}")
+
+
+def _from_mapping(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(
+            f"unknown setting(s) {', '.join(prefix + u for u in unknown)}; "
+            f"allowed under '{prefix or '<root>'}': {', '.join(sorted(names))}"
+        )
+    kwargs = {name: _convert(data[name], hints[name], prefix + name) for name in data}
+    return cls(**kwargs)
+
+
+def settings_from_dict(data: Mapping[str, Any]) -> Settings:
+    """Build :class:`Settings` from a nested mapping (missing keys take defaults).
+
+    Raises
+    ------
+    ValueError
+        On an unknown key or a value of the wrong type, naming the key.
+    """
+    return _from_mapping(Settings, data)
+
+
+def settings_to_dict(settings: Settings) -> dict[str, Any]:
+    """Return the settings as a nested plain dict (JSON-serializable)."""
+    return dataclasses.asdict(settings)
+
+
+# ---------------------------------------------------------------------------------
+# validation
+# ---------------------------------------------------------------------------------
+
+
+def _fail(key: str, value: Any, allowed: str) -> None:
+    raise ValueError(f"invalid setting {key}={value!r}: {allowed}")
+
+
+def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        _fail(key, value, f"allowed: {', '.join(choices)}")
+
+
+def _check_fraction(key: str, value: float, *, allow_zero: bool) -> None:
+    low_ok = value >= 0.0 if allow_zero else value > 0.0
+    if not (low_ok and value <= 1.0):
+        _fail(key, value, f"must be in {'[0, 1]' if allow_zero else '(0, 1]'}")
+
+
+def validate(settings: Settings) -> Settings:
+    """Check every value that can be checked without loading data.
+
+    Returns the settings unchanged so calls can be chained; raises ``ValueError``
+    naming the key, the value and what is allowed.
+    """
+    s = settings
+    if s.num_rounds <= 0:
+        _fail("num_rounds", s.num_rounds, "must be a positive integer")
+    if s.num_clients <= 0:
+        _fail("num_clients", s.num_clients, "must be a positive integer")
+    if s.seed < 0:
+        _fail("seed", s.seed, "must be a non-negative integer")
+    _check_choice("dataset.name", s.dataset.name, DATASETS)
+    if not 0.0 < s.dataset.test_fraction < 1.0:
+        _fail("dataset.test_fraction", s.dataset.test_fraction, "must be in (0, 1)")
+    _check_choice("partition.name", s.partition.name, PARTITIONS)
+    if s.partition.alpha <= 0.0:
+        _fail("partition.alpha", s.partition.alpha, "the Dirichlet alpha must be > 0")
+    if s.partition.min_partition_size < 1:
+        _fail("partition.min_partition_size", s.partition.min_partition_size, "must be >= 1")
+    if not 0.0 <= s.partition.val_fraction < 1.0:
+        _fail("partition.val_fraction", s.partition.val_fraction, "must be in [0, 1)")
+    _check_choice("model.name", s.model.name, MODELS)
+    if not s.model.hidden or any(h <= 0 for h in s.model.hidden):
+        _fail("model.hidden", s.model.hidden, "a non-empty list of positive layer widths")
+    if s.train.local_epochs <= 0:
+        _fail("train.local_epochs", s.train.local_epochs, "must be a positive integer")
+    if s.train.batch_size <= 0:
+        _fail("train.batch_size", s.train.batch_size, "must be a positive integer")
+    if s.train.lr <= 0.0:
+        _fail("train.lr", s.train.lr, "must be > 0")
+    if not 0.0 <= s.train.momentum < 1.0:
+        _fail("train.momentum", s.train.momentum, "must be in [0, 1)")
+    if "name" not in s.codec:
+        _fail("codec", s.codec, "a codec spec needs a 'name'")
+    if "name" not in s.strategy:
+        _fail("strategy", s.strategy, "a strategy spec needs a 'name'")
+    _check_choice("strategy.name", s.strategy["name"], STRATEGIES)
+    _check_fraction("fraction_train", s.fraction_train, allow_zero=False)
+    _check_fraction("fraction_evaluate", s.fraction_evaluate, allow_zero=True)
+    _check_choice("aggregation.handoff", s.aggregation.handoff, HANDOFFS)
+    if s.simulation.num_cpus <= 0:
+        _fail("simulation.num_cpus", s.simulation.num_cpus, "must be a positive integer")
+    if s.simulation.cpus_per_client <= 0:
+        _fail("simulation.cpus_per_client", s.simulation.cpus_per_client, "must be > 0")
+    if s.simulation.gpus_per_client < 0:
+        _fail("simulation.gpus_per_client", s.simulation.gpus_per_client, "must be >= 0")
+    if s.simulation.round_timeout <= 0:
+        _fail("simulation.round_timeout", s.simulation.round_timeout, "must be > 0")
+    return s
+
+
+# ---------------------------------------------------------------------------------
+# the flat run-config mapping
+# ---------------------------------------------------------------------------------
+
+Scalar = bool | int | float | str
+
+
+def _encode_leaf(value: Any) -> Scalar:
+    if isinstance(value, bool | int | float):
+        return value
+    if isinstance(value, str) and not value.startswith(JSON_PREFIX):
+        return value
+    return JSON_PREFIX + json.dumps(value, sort_keys=True)
+
+
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Scalar]:
+    """Flatten a nested settings dict into Flower's flat run config (dotted keys)."""
+    flat: dict[str, Scalar] = {}
+    for key, value in tree.items():
+        if "." in key:
+            raise ValueError(f"setting names cannot contain '.': {prefix + key!r}")
+        if isinstance(value, Mapping) and value:
+            flat.update(flatten(value, prefix + key + "."))
+        else:
+            flat[prefix + key] = _encode_leaf(value)
+    return flat
+
+
+def _decode_leaf(value: Any) -> Any:
+    if isinstance(value, str) and value.startswith(JSON_PREFIX):
+        return json.loads(value[len(JSON_PREFIX) :])
+    return value
+
+
+def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """Invert :func:`flatten`."""
+    tree: dict[str, Any] = {}
+    for dotted, value in flat.items():
+        parts = dotted.split(".")
+        node = tree
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"run-config key {dotted!r} conflicts with a scalar above it")
+        node[parts[-1]] = _decode_leaf(value)
+    return tree
+
+
+def settings_from_run_config(run_config: Mapping[str, Any]) -> Settings:
+    """Settings from Flower's flat run config (what ``flwr run`` passes the apps)."""
+    return validate(settings_from_dict(unflatten(run_config)))
+
+
+def _toml_value(value: Scalar) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    return json.dumps(value)
+
+
+def default_run_config_toml() -> str:
+    """The ``[tool.flwr.app.config]`` body for the default settings."""
+    flat = flatten(settings_to_dict(Settings()))
+    return "\n".join(f'"{k}" = {_toml_value(v)}' for k, v in flat.items())
+
+
+if __name__ == "__main__":  # pragma: no cover - a maintenance helper
+    print(default_run_config_toml())

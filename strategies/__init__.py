@@ -1,0 +1,1 @@
+"""fedcomp's Flower server side: the decoding strategy wrapper and the ServerApp."""

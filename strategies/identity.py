@@ -1,0 +1,83 @@
+"""Learning each node's stable id at first contact (a Flower query message)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.serverapp import Grid
+
+from fedcomp.keys import KEY_QUERY, KEY_STABLE_ID, QUERY_IDENTITY, RECORD_IDENTITY
+
+log = logging.getLogger(__name__)
+
+
+class StableIds:
+    """Bidirectional map between Flower node ids (random per run) and stable ids."""
+
+    def __init__(self) -> None:
+        self._by_node: dict[int, int] = {}
+        self._by_stable: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_stable)
+
+    def stable_ids(self) -> list[int]:
+        """Known stable ids, sorted."""
+        return sorted(self._by_stable)
+
+    def stable_of(self, node_id: int) -> int | None:
+        return self._by_node.get(node_id)
+
+    def node_of(self, stable_id: int) -> int:
+        return self._by_stable[stable_id]
+
+    def add(self, node_id: int, stable_id: int) -> None:
+        """Record a mapping; a stable id claimed by a new node moves to that node."""
+        old_node = self._by_stable.get(stable_id)
+        if old_node is not None and old_node != node_id:
+            log.warning("stable id %d moved from node %d to node %d", stable_id, old_node, node_id)
+            self._by_node.pop(old_node, None)
+        self._by_node[node_id] = stable_id
+        self._by_stable[stable_id] = node_id
+
+    def forget_missing(self, connected: set[int]) -> None:
+        """Drop nodes that are no longer connected."""
+        for node_id in [n for n in self._by_node if n not in connected]:
+            self._by_stable.pop(self._by_node.pop(node_id), None)
+
+    def refresh(self, grid: Grid, *, expected: int, timeout: float) -> None:
+        """Wait for ``expected`` nodes, then query every node not yet known.
+
+        Raises
+        ------
+        TimeoutError
+            When fewer than ``expected`` nodes connect within ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        while len(connected := set(grid.get_node_ids())) < expected:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"only {len(connected)} of {expected} nodes connected within {timeout:.0f} s"
+                )
+            time.sleep(0.5)
+        self.forget_missing(connected)
+        unknown = sorted(connected - set(self._by_node))
+        if not unknown:
+            return
+        query = RecordDict({"config": ConfigRecord({KEY_QUERY: QUERY_IDENTITY})})
+        messages = [Message(query, dst_node_id=n, message_type=MessageType.QUERY) for n in unknown]
+        remaining = max(deadline - time.monotonic(), 1.0)
+        for reply in grid.send_and_receive(messages, timeout=remaining):
+            node_id = reply.metadata.src_node_id
+            if reply.has_error():
+                log.warning("identity query to node %d failed: %s", node_id, reply.error.reason)
+                continue
+            try:
+                stable_id = int(reply.content[RECORD_IDENTITY][KEY_STABLE_ID])
+            except (KeyError, TypeError, ValueError) as exc:
+                log.warning("node %d sent a malformed identity reply: %r", node_id, exc)
+                continue
+            self.add(node_id, stable_id)
+        log.info("stable ids known for %d of %d connected nodes", len(self), len(connected))

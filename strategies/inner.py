@@ -1,0 +1,74 @@
+"""Building the inner Flower strategy from a spec (``{"name": "fedadam", "eta": 0.01}``)."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+from flwr.serverapp.strategy import (
+    FedAdagrad,
+    FedAdam,
+    FedAvg,
+    FedAvgM,
+    FedMedian,
+    FedProx,
+    FedTrimmedAvg,
+    FedYogi,
+    Strategy,
+)
+
+INNER_STRATEGIES: dict[str, type[Strategy]] = {
+    "fedavg": FedAvg,
+    "fedavgm": FedAvgM,
+    "fedprox": FedProx,
+    "fedadam": FedAdam,
+    "fedyogi": FedYogi,
+    "fedadagrad": FedAdagrad,
+    "fedmedian": FedMedian,
+    "fedtrimmedavg": FedTrimmedAvg,
+}
+
+#: Sampling belongs to the wrapper (seeded, over stable ids): these are set here.
+_MANAGED = {
+    "fraction_train",
+    "fraction_evaluate",
+    "min_train_nodes",
+    "min_evaluate_nodes",
+    "min_available_nodes",
+}
+
+
+def make_inner_strategy(spec: Mapping[str, Any], num_nodes: int) -> Strategy:
+    """Build a Flower strategy from a spec; unknown names or parameters fail fast.
+
+    The inner strategy is told to use every node (the wrapper samples), and to wait
+    for ``num_nodes`` of them.
+    """
+    if "name" not in spec:
+        raise ValueError(f"strategy spec needs a 'name', got {dict(spec)!r}")
+    name = str(spec["name"])
+    if name not in INNER_STRATEGIES:
+        raise ValueError(
+            f"invalid setting strategy.name={name!r}: allowed: {', '.join(INNER_STRATEGIES)}"
+        )
+    cls = INNER_STRATEGIES[name]
+    params = {k: v for k, v in spec.items() if k != "name"}
+    accepted = set(inspect.signature(cls.__init__).parameters) - {"self"}
+    bad = sorted(k for k in params if k not in accepted or k in _MANAGED)
+    if bad:
+        allowed = sorted(
+            accepted - _MANAGED - {"train_metrics_aggr_fn", "evaluate_metrics_aggr_fn"}
+        )
+        raise ValueError(
+            f"invalid setting(s) {', '.join('strategy.' + k for k in bad)} for {name}; "
+            f"allowed: {', '.join(allowed)} (sampling is set by fraction_train/fraction_evaluate)"
+        )
+    return cls(
+        fraction_train=1.0,
+        fraction_evaluate=1.0,
+        min_train_nodes=num_nodes,
+        min_evaluate_nodes=num_nodes,
+        min_available_nodes=num_nodes,
+        **params,
+    )

@@ -1,0 +1,125 @@
+"""The project's ServerApp: the wrapped strategy, centralized evaluation, results.json.
+
+``make_server_app(settings)`` builds it for simulation (run_simulation passes no run
+config); the module-level ``app`` reads Flower's flat run config (``flwr run``, the
+Deployment Engine) through ``fedcomp.settings.settings_from_run_config``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, Context, MetricRecord
+from flwr.serverapp import Grid, ServerApp
+
+from fedcomp.data import server_test_set
+from fedcomp.models import build_model
+from fedcomp.results import build_results, write_results
+from fedcomp.settings import Settings, settings_from_run_config, settings_to_dict, validate
+from fedcomp.training import evaluate
+from strategies.inner import make_inner_strategy
+from strategies.wrapper import CompressedStrategy
+
+log = logging.getLogger(__name__)
+
+#: Settings the ClientApp needs; sent to every client in its message config.
+CLIENT_TASK_KEYS = ("seed", "num_clients", "dataset", "partition", "model", "train")
+
+
+def client_task(settings: Settings) -> dict[str, Any]:
+    """The part of the settings a client needs, as a plain dict."""
+    tree = settings_to_dict(settings)
+    return {k: tree[k] for k in CLIENT_TASK_KEYS}
+
+
+def make_evaluate_fn(settings: Settings) -> Callable[[int, ArrayRecord], MetricRecord]:
+    """Centralized evaluation of the global model on the server's held-out test split."""
+    test_set = server_test_set(settings.dataset)
+    model = build_model(settings.model, settings.dataset.name, settings.seed)
+
+    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        model.load_state_dict(arrays.to_torch_state_dict())
+        loss, acc = evaluate(model, test_set)
+        return MetricRecord({"accuracy": acc, "loss": loss})
+
+    return evaluate_fn
+
+
+def run_server(
+    grid: Grid,
+    settings: Settings,
+    on_round: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Run the whole federated job on ``grid``; return (and maybe write) the results."""
+    validate(settings)
+    t0 = time.perf_counter()
+    model = build_model(settings.model, settings.dataset.name, settings.seed)
+    strategy = CompressedStrategy(
+        make_inner_strategy(settings.strategy, settings.num_clients),
+        codec=settings.codec,
+        run_seed=settings.seed,
+        expected_nodes=settings.num_clients,
+        fraction_train=settings.fraction_train,
+        fraction_evaluate=settings.fraction_evaluate,
+        handoff=settings.aggregation.handoff,
+        task=client_task(settings),
+        identity_timeout=settings.simulation.round_timeout,
+        on_round=on_round,
+    )
+    with torch.no_grad():
+        initial = ArrayRecord(model.state_dict())
+    strategy.start(
+        grid=grid,
+        initial_arrays=initial,
+        num_rounds=settings.num_rounds,
+        timeout=settings.simulation.round_timeout,
+        evaluate_fn=make_evaluate_fn(settings),
+    )
+    rounds = strategy.rounds
+    results = build_results(settings_to_dict(settings), rounds, wall_s=time.perf_counter() - t0)
+    initial_eval = strategy.initial_evaluation or {}
+    results["summary"]["initial_accuracy"] = initial_eval.get("accuracy")
+    s = results["summary"]
+    log.info(
+        "done: final accuracy %s (initial %s) | uplink wire %d B in %d rounds | "
+        "ratio vs fp32: codec %s wire %s | %.1f s",
+        _fmt(s["final_accuracy"]),
+        _fmt(s["initial_accuracy"]),
+        s["uplink_wire_bytes_total"],
+        len(rounds),
+        _fmt(s["ratio_vs_fp32_codec"]),
+        _fmt(s["ratio_vs_fp32_wire"]),
+        s["wall_s"],
+    )
+    if settings.results_path:
+        write_results(settings.results_path, results)
+    return results
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4f}"
+
+
+def make_server_app(
+    settings: Settings | None = None,
+    on_round: Callable[[dict[str, Any]], None] | None = None,
+    on_results: Callable[[dict[str, Any]], None] | None = None,
+) -> ServerApp:
+    """Build the ServerApp; with ``settings=None`` it reads Flower's run config."""
+    app = ServerApp()
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        run_settings = settings or settings_from_run_config(context.run_config)
+        results = run_server(grid, run_settings, on_round=on_round)
+        if on_results is not None:
+            on_results(results)
+
+    return app
+
+
+app = make_server_app()

@@ -1,0 +1,596 @@
+"""CompressedStrategy: the server half of fedcomp, wrapping any Flower strategy.
+
+Pair it with ``clients.mod.CompressionMod`` on the ClientApp::
+
+    strategy = CompressedStrategy(FedAvg(), codec={"name": "fp32"}, run_seed=0,
+                                  expected_nodes=10)
+    strategy.start(grid=grid, initial_arrays=arrays, num_rounds=10)
+
+Per round it (1) samples clients itself with a generator seeded from the run seed,
+over STABLE ids learned at first contact, and sends each one its own config (the
+codec spec, the round, the run seed); (2) validates every reply (a bad one is a
+logged failure, never a crash), decodes it, and hands the inner strategy either one
+dense reply per client, sorted by stable id (``handoff="per_client"``), or one
+synthetic reply with the float32 weighted mean summed in stable-id order
+(``handoff="pre_aggregated"``); (3) measures codec, record and wire bytes of every
+real message, up and down, and reports them per round.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import (
+    Array,
+    ArrayRecord,
+    ConfigRecord,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import (
+    FedAdagrad,
+    FedAdam,
+    FedAvg,
+    FedAvgM,
+    FedProx,
+    FedYogi,
+    Result,
+    Strategy,
+)
+from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
+
+from fedcomp.codecs import PayloadError, decode_bytes, make_codec_from_spec, parse_payload
+from fedcomp.codecs.wire import DTYPE_CODES
+from fedcomp.keys import (
+    KEY_CODEC,
+    KEY_EXPECTED_ID,
+    KEY_NUM_EXAMPLES,
+    KEY_PROTOCOL,
+    KEY_ROUND,
+    KEY_RUN_SEED,
+    KEY_STABLE_ID,
+    KEY_TASK,
+    METRIC_CODEC_BYTES,
+    METRIC_ENCODE_S,
+    METRIC_FP32_CODEC_BYTES,
+    METRIC_FP32_CONTENT_WIRE_BYTES,
+    PROTOCOL_VERSION,
+    RECORD_HEADER,
+    RECORD_PAYLOAD,
+)
+from fedcomp.rng import derive_seed, numpy_generator
+from fedcomp.settings import HANDOFFS
+from strategies.accounting import record_bytes, wire_bytes
+
+log = logging.getLogger(__name__)
+
+#: Inner strategies whose aggregate is a weighted mean of the replies, the only ones
+#: that a single pre-aggregated reply can stand in for. Exact types: FedMedian and
+#: FedTrimmedAvg subclass FedAvg but are not means.
+MEAN_BASED = (FedAvg, FedAvgM, FedProx, FedAdam, FedYogi, FedAdagrad)
+
+#: Client metric names starting with this prefix are fedcomp's own; they are
+#: aggregated here and not handed to the inner strategy.
+_OWN_PREFIX = "fedcomp."
+
+
+class ReplyError(ValueError):
+    """A reply that fails validation; it becomes a logged failure for that client."""
+
+
+@dataclass
+class _Decoded:
+    stable_id: int
+    deltas: dict[str, np.ndarray]
+    weight: float
+    metrics: MetricRecord
+    message: Message
+
+
+@dataclass
+class _RoundState:
+    """Everything one round needs between configure_train and the round's end."""
+
+    number: int
+    t_start: float
+    global_arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    sent: dict[int, Message] = field(default_factory=dict)
+    record: dict[str, Any] = field(default_factory=dict)
+    per_client: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+
+def _torch_dtype(array: np.ndarray) -> torch.dtype:
+    return torch.from_numpy(np.empty(0, dtype=array.dtype)).dtype
+
+
+def _empty_client_row(stable_id: int) -> dict[str, Any]:
+    return {
+        "client": stable_id,
+        "uplink_codec_bytes": 0,
+        "uplink_record_bytes": 0,
+        "uplink_wire_bytes": 0,
+        "downlink_record_bytes": 0,
+        "downlink_wire_bytes": 0,
+        "encode_s": 0.0,
+        "num_examples": 0,
+    }
+
+
+class CompressedStrategy(Strategy):
+    """Decode compressed client updates and delegate aggregation to a Flower strategy.
+
+    Parameters
+    ----------
+    strategy : Strategy
+        The inner Flower strategy (FedAvg, FedAdam, FedMedian, ...).
+    codec : Mapping
+        Codec spec sent to the clients, e.g. ``{"name": "fp32"}`` (checked here).
+    run_seed : int
+        Seed of all public randomness (client sampling, codec draws).
+    expected_nodes : int
+        Nodes to wait for before the first round (and to learn stable ids of).
+    fraction_train, fraction_evaluate : float
+        Fractions of known clients sampled per round (seeded, over stable ids).
+    handoff : {"per_client", "pre_aggregated"}
+        How decoded updates reach the inner strategy (see module docstring).
+    task : Mapping, optional
+        Settings the example ClientApp needs, sent JSON-encoded in every config.
+    identity_timeout : float
+        Seconds to wait for ``expected_nodes`` nodes to connect.
+    on_round : callable, optional
+        Called with each finished round's record (the results.json round shape).
+    """
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        *,
+        codec: Mapping[str, Any],
+        run_seed: int,
+        expected_nodes: int,
+        fraction_train: float = 1.0,
+        fraction_evaluate: float = 1.0,
+        handoff: str = "per_client",
+        task: Mapping[str, Any] | None = None,
+        identity_timeout: float = 600.0,
+        on_round: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        if not isinstance(strategy, Strategy):
+            raise TypeError(f"strategy must be a Flower Strategy, found {type(strategy)}")
+        if handoff not in HANDOFFS:
+            raise ValueError(f"handoff={handoff!r}; allowed: {', '.join(HANDOFFS)}")
+        if handoff == "pre_aggregated" and type(strategy) not in MEAN_BASED:
+            raise ValueError(
+                f"handoff='pre_aggregated' hands the inner strategy one averaged reply, so it "
+                f"needs a mean-based strategy ({', '.join(c.__name__ for c in MEAN_BASED)}); "
+                f"found {type(strategy).__name__}. Use handoff='per_client' instead."
+            )
+        if expected_nodes <= 0:
+            raise ValueError(f"expected_nodes must be positive, found {expected_nodes!r}")
+        for name, value, low_ok in (
+            ("fraction_train", fraction_train, fraction_train > 0),
+            ("fraction_evaluate", fraction_evaluate, fraction_evaluate >= 0),
+        ):
+            if not (low_ok and value <= 1):
+                raise ValueError(f"{name}={value!r} is out of range")
+        self.codec = make_codec_from_spec(codec)  # fails fast on a bad spec
+        self.codec_json = json.dumps(self.codec.spec(), sort_keys=True)
+        self.strategy = strategy
+        self.run_seed = run_seed
+        self.expected_nodes = expected_nodes
+        self.fraction_train = fraction_train
+        self.fraction_evaluate = fraction_evaluate
+        self.handoff = handoff
+        self.task_json = json.dumps(dict(task), sort_keys=True) if task is not None else None
+        self.identity_timeout = identity_timeout
+        self.on_round = on_round
+
+        from strategies.identity import StableIds  # local: keeps import cycles impossible
+
+        self.ids = StableIds()
+        self.rounds: list[dict[str, Any]] = []
+        self.initial_evaluation: dict[str, float] | None = None
+        self._num_rounds = 0
+        self._state: _RoundState | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def summary(self) -> None:
+        log.info(
+            "CompressedStrategy: codec %s, handoff %s, fractions train %.2f evaluate %.2f",
+            self.codec_json,
+            self.handoff,
+            self.fraction_train,
+            self.fraction_evaluate,
+        )
+        self.strategy.summary()
+
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
+        """Learn stable ids at first contact, then run Flower's round loop."""
+        self._num_rounds = num_rounds
+        self.ids.refresh(grid, expected=self.expected_nodes, timeout=self.identity_timeout)
+
+        def evaluate_and_close(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+            result = evaluate_fn(server_round, arrays) if evaluate_fn else None
+            self._close_round(server_round, result)
+            return result
+
+        return super().start(
+            grid,
+            initial_arrays,
+            num_rounds,
+            timeout,
+            train_config,
+            evaluate_config,
+            evaluate_and_close,
+        )
+
+    # ------------------------------------------------------------------ sampling
+
+    def _sample(self, server_round: int, fraction: float, purpose: str) -> list[int]:
+        ids = self.ids.stable_ids()
+        if not ids or fraction <= 0:
+            return []
+        k = min(len(ids), max(1, round(fraction * len(ids))))
+        if k == len(ids):
+            return ids
+        rng = numpy_generator(self.run_seed, purpose, server_round)
+        return sorted(int(i) for i in rng.choice(ids, size=k, replace=False))
+
+    def _per_client_messages(
+        self, template: list[Message], stable_ids: list[int], server_round: int, kind: str
+    ) -> dict[int, Message]:
+        base = template[0].content
+        ((arrays_key, arrays),) = base.array_records.items()
+        config_items = list(base.config_records.items())
+        config_key, base_config = config_items[0] if config_items else ("config", ConfigRecord())
+        messages = {}
+        for sid in stable_ids:
+            config = ConfigRecord(dict(base_config))
+            config[KEY_PROTOCOL] = PROTOCOL_VERSION
+            config[KEY_ROUND] = server_round
+            config[KEY_RUN_SEED] = self.run_seed
+            config[KEY_EXPECTED_ID] = sid
+            if kind == MessageType.TRAIN:
+                config[KEY_CODEC] = self.codec_json
+            if self.task_json is not None:
+                config[KEY_TASK] = self.task_json
+            content = RecordDict({arrays_key: arrays, config_key: config})
+            messages[sid] = Message(
+                content,
+                dst_node_id=self.ids.node_of(sid),
+                message_type=kind,
+                group_id=str(server_round),
+            )
+        return messages
+
+    # ------------------------------------------------------------------ training
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Sample over stable ids and send each client its own config."""
+        t_start = time.perf_counter()
+        self.ids.refresh(grid, expected=self.expected_nodes, timeout=self.identity_timeout)
+        state = _RoundState(number=server_round, t_start=t_start)
+        state.global_arrays = {k: np.asarray(v.numpy()) for k, v in arrays.items()}
+        self._state = state
+        template = list(self.strategy.configure_train(server_round, arrays, config, grid))
+        if not template:
+            return []
+        selected = self._sample(server_round, self.fraction_train, "train-sample")
+        state.sent = self._per_client_messages(template, selected, server_round, MessageType.TRAIN)
+        for sid, msg in state.sent.items():
+            row = state.per_client.setdefault(sid, _empty_client_row(sid))
+            row["downlink_record_bytes"] = record_bytes(msg.content)
+            row["downlink_wire_bytes"] = wire_bytes(msg)
+        state.record["selected"] = len(selected)
+        return list(state.sent.values())
+
+    def _decode_reply(self, msg: Message, state: _RoundState) -> _Decoded:
+        node_id = msg.metadata.src_node_id
+        sid = self.ids.stable_of(node_id)
+        if sid is None or sid not in state.sent:
+            raise ReplyError(f"reply from node {node_id}, which was not asked this round")
+        content = msg.content
+        header = content.config_records.get(RECORD_HEADER)
+        if header is None:
+            raise ReplyError(
+                f"no '{RECORD_HEADER}' record: add clients.mod.CompressionMod to the ClientApp"
+            )
+        if int(header.get(KEY_PROTOCOL, -1)) != PROTOCOL_VERSION:
+            raise ReplyError(f"protocol version {header.get(KEY_PROTOCOL)!r} != {PROTOCOL_VERSION}")
+        if header.get(KEY_STABLE_ID) != sid:
+            raise ReplyError(
+                f"header claims stable id {header.get(KEY_STABLE_ID)!r}, node is {sid}"
+            )
+        if header.get(KEY_ROUND) != state.number:
+            raise ReplyError(f"header is for round {header.get(KEY_ROUND)!r}, not {state.number}")
+        metrics = content.metric_records.get("metrics")
+        if metrics is None or KEY_NUM_EXAMPLES not in metrics:
+            raise ReplyError(f"metrics lack '{KEY_NUM_EXAMPLES}'")
+        weight = metrics[KEY_NUM_EXAMPLES]
+        if isinstance(weight, list) or not math.isfinite(weight) or weight <= 0:
+            raise ReplyError(f"invalid {KEY_NUM_EXAMPLES}={weight!r}")
+        payloads = content.array_records.get(RECORD_PAYLOAD)
+        if payloads is None:
+            raise ReplyError(f"no '{RECORD_PAYLOAD}' record")
+        if list(payloads.keys()) != list(state.global_arrays):
+            raise ReplyError("payload tensor names differ from the global model's")
+        deltas = {}
+        for name, reference in state.global_arrays.items():
+            buf = payloads[name].data
+            header_ = parse_payload(buf).header
+            # Check the claimed shape and dtype BEFORE decoding allocates anything.
+            if header_.shape != reference.shape:
+                raise ReplyError(f"{name}: shape {header_.shape} != global {reference.shape}")
+            if DTYPE_CODES[header_.dtype] != DTYPE_CODES[_torch_dtype(reference)]:
+                raise ReplyError(f"{name}: dtype {header_.dtype} != global {reference.dtype}")
+            expected_seed = derive_seed(self.run_seed, state.number, sid, name)
+            if header_.seed not in (0, expected_seed):
+                raise ReplyError(f"{name}: derived seed in header does not match the server's")
+            delta = decode_bytes(buf).numpy()
+            if delta.dtype.kind == "f" and not np.isfinite(delta).all():
+                raise ReplyError(f"{name}: non-finite values in the update")
+            deltas[name] = delta
+        return _Decoded(sid, deltas, float(weight), metrics, msg)
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Validate and decode every reply, then hand over to the inner strategy."""
+        state = self._state
+        if state is None or state.number != server_round:
+            raise RuntimeError("aggregate_train called without configure_train for this round")
+        replies = list(replies)
+        t0 = time.perf_counter()
+        decoded: list[_Decoded] = []
+        failures = nonfinite = 0
+        for msg in replies:
+            sid = self.ids.stable_of(msg.metadata.src_node_id)
+            row = (
+                state.per_client.setdefault(sid, _empty_client_row(sid)) if sid is not None else {}
+            )
+            row["uplink_wire_bytes"] = wire_bytes(msg)
+            if msg.has_error():
+                failures += 1
+                log.warning(
+                    "round %d: client %s replied with an error: %s",
+                    server_round,
+                    sid,
+                    _short(msg.error.reason),
+                )
+                continue
+            row["uplink_record_bytes"] = record_bytes(msg.content)
+            try:
+                item = self._decode_reply(msg, state)
+            except (ReplyError, PayloadError, ValueError, KeyError, TypeError) as exc:
+                failures += 1
+                nonfinite += "non-finite" in str(exc)
+                log.warning("round %d: rejected reply of client %s: %s", server_round, sid, exc)
+                continue
+            self._account_reply(row, item)
+            decoded.append(item)
+        decode_s = time.perf_counter() - t0
+
+        decoded.sort(key=lambda d: d.stable_id)  # reply order never matters
+        t1 = time.perf_counter()
+        arrays, metrics = self._hand_over(server_round, decoded, state)
+        aggregate_s = time.perf_counter() - t1
+        state.record.update(
+            replied=len(decoded),
+            failures=failures,
+            nonfinite=nonfinite,
+            decode_s=decode_s,
+            aggregate_s=aggregate_s,
+        )
+        return arrays, metrics
+
+    def _account_reply(self, row: dict[str, Any], item: _Decoded) -> None:
+        payloads = item.message.content[RECORD_PAYLOAD]
+        row["uplink_codec_bytes"] = sum(len(a.data) for a in payloads.values())
+        row["encode_s"] = float(item.metrics.get(METRIC_ENCODE_S, 0.0))
+        row["num_examples"] = int(item.weight)
+        row["client_codec_bytes"] = int(item.metrics.get(METRIC_CODEC_BYTES, -1))
+        if METRIC_FP32_CODEC_BYTES in item.metrics:
+            payload_only_wire = wire_bytes(RecordDict({RECORD_PAYLOAD: payloads}))
+            row["fp32_codec_bytes"] = int(item.metrics[METRIC_FP32_CODEC_BYTES])
+            row["fp32_wire_bytes"] = (
+                row["uplink_wire_bytes"]
+                - payload_only_wire
+                + int(item.metrics[METRIC_FP32_CONTENT_WIRE_BYTES])
+            )
+
+    def _client_metrics(self, item: _Decoded) -> MetricRecord:
+        return MetricRecord(
+            {k: v for k, v in item.metrics.items() if not k.startswith(_OWN_PREFIX)}
+        )
+
+    def _hand_over(
+        self, server_round: int, decoded: list[_Decoded], state: _RoundState
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        if not decoded:
+            log.warning("round %d: no valid replies, the global model is unchanged", server_round)
+            return None, None
+        arrays_key = "arrays"
+        if self.handoff == "per_client":
+            replies = [
+                Message(
+                    RecordDict(
+                        {
+                            arrays_key: ArrayRecord(
+                                {
+                                    name: Array(np.asarray(state.global_arrays[name] + delta))
+                                    for name, delta in d.deltas.items()
+                                }
+                            ),
+                            "metrics": self._client_metrics(d),
+                        }
+                    ),
+                    reply_to=state.sent[d.stable_id],
+                )
+                for d in decoded
+            ]
+        else:
+            total = sum(d.weight for d in decoded)
+            mean: dict[str, np.ndarray] = {}
+            for d in decoded:  # float32 sum in stable-id order, Flower's weighting
+                factor = d.weight / total
+                for name, delta in d.deltas.items():
+                    term = delta * factor if delta.dtype.kind == "f" else delta
+                    mean[name] = term if name not in mean else mean[name] + term
+            metrics = aggregate_metricrecords(
+                [RecordDict({"metrics": self._client_metrics(d)}) for d in decoded],
+                KEY_NUM_EXAMPLES,
+            )
+            metrics[KEY_NUM_EXAMPLES] = total
+            replies = [
+                Message(
+                    RecordDict(
+                        {
+                            arrays_key: ArrayRecord(
+                                {
+                                    name: Array(np.asarray(state.global_arrays[name] + mean[name]))
+                                    for name in state.global_arrays
+                                }
+                            ),
+                            "metrics": metrics,
+                        }
+                    ),
+                    reply_to=state.sent[decoded[0].stable_id],
+                )
+            ]
+        return self.strategy.aggregate_train(server_round, replies)
+
+    # ------------------------------------------------------------------ evaluation
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        template = list(self.strategy.configure_evaluate(server_round, arrays, config, grid))
+        if not template:
+            return []
+        selected = self._sample(server_round, self.fraction_evaluate, "evaluate-sample")
+        return list(
+            self._per_client_messages(
+                template, selected, server_round, MessageType.EVALUATE
+            ).values()
+        )
+
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
+        """Aggregate client evaluation metrics in stable-id order."""
+        valid = []
+        for msg in replies:
+            sid = self.ids.stable_of(msg.metadata.src_node_id)
+            if msg.has_error() or sid is None:
+                log.warning("round %d: evaluation failed on client %s", server_round, sid)
+                continue
+            valid.append((sid, msg))
+        valid.sort(key=lambda pair: pair[0])
+        metrics = self.strategy.aggregate_evaluate(server_round, [m for _, m in valid])
+        if self._state is not None and self._state.number == server_round and metrics:
+            self._state.record["client_accuracy"] = metrics.get("eval_acc")
+            self._state.record["client_loss"] = metrics.get("eval_loss")
+        return metrics
+
+    # ------------------------------------------------------------------ round records
+
+    def _close_round(self, server_round: int, central: MetricRecord | None) -> None:
+        central_dict = dict(central) if central is not None else {}
+        if server_round == 0:
+            self.initial_evaluation = central_dict
+            if central_dict:
+                log.info(
+                    "round 0/%d | accuracy %.4f loss %.4f (initial model)",
+                    self._num_rounds,
+                    central_dict.get("accuracy", float("nan")),
+                    central_dict.get("loss", float("nan")),
+                )
+            return
+        state = self._state
+        if state is None or state.number != server_round:
+            return
+        rows = [state.per_client[sid] for sid in sorted(state.per_client)]
+        rec = state.record
+        measured = [r for r in rows if "fp32_codec_bytes" in r]  # decoded replies only
+        record: dict[str, Any] = {
+            "round": server_round,
+            "accuracy": central_dict.get("accuracy"),
+            "loss": central_dict.get("loss"),
+            "client_accuracy": rec.get("client_accuracy"),
+            "client_loss": rec.get("client_loss"),
+            "uplink_codec_bytes": sum(r["uplink_codec_bytes"] for r in rows),
+            "uplink_record_bytes": sum(r["uplink_record_bytes"] for r in rows),
+            "uplink_wire_bytes": sum(r["uplink_wire_bytes"] for r in rows),
+            "downlink_record_bytes": sum(r["downlink_record_bytes"] for r in rows),
+            "downlink_wire_bytes": sum(r["downlink_wire_bytes"] for r in rows),
+            "per_client": rows,
+            "decode_s": rec.get("decode_s", 0.0),
+            "aggregate_s": rec.get("aggregate_s", 0.0),
+            "round_s": time.perf_counter() - state.t_start,
+            "selected": rec.get("selected", 0),
+            "replied": rec.get("replied", 0),
+            "failures": rec.get("failures", 0),
+            "resyncs": 0,
+            "nonfinite": rec.get("nonfinite", 0),
+            "faults": {},
+            "codec": {
+                "spec": json.loads(self.codec_json),
+                "fp32_codec_bytes": sum(r["fp32_codec_bytes"] for r in measured),
+                "fp32_wire_bytes": sum(r["fp32_wire_bytes"] for r in measured),
+                "decoded_codec_bytes": sum(r["uplink_codec_bytes"] for r in measured),
+                "decoded_wire_bytes": sum(r["uplink_wire_bytes"] for r in measured),
+            },
+        }
+        self.rounds.append(record)
+        self._state = None
+        log.info(
+            "round %d/%d | accuracy %s loss %s | client acc %s | up record %d B wire %d B"
+            " | down wire %d B | %d/%d replied | %.2f s",
+            server_round,
+            self._num_rounds,
+            _fmt(record["accuracy"]),
+            _fmt(record["loss"]),
+            _fmt(record["client_accuracy"]),
+            record["uplink_record_bytes"],
+            record["uplink_wire_bytes"],
+            record["downlink_wire_bytes"],
+            record["replied"],
+            record["selected"],
+            record["round_s"],
+        )
+        if self.on_round is not None:
+            self.on_round(record)
+
+
+def _short(reason: str, limit: int = 300) -> str:
+    """The informative last line of a (possibly multi-line, remote) error reason."""
+    lines = [line.strip() for line in str(reason).splitlines() if line.strip()]
+    text = lines[-1] if lines else ""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4f}"

@@ -1,0 +1,105 @@
+"""Drive the real ClientApp and CompressedStrategy in one process, without Ray.
+
+``InProcessGrid`` implements the two Grid methods the strategy uses; each message
+is handled by the real ClientApp (mods included) with a per-node Context that
+persists across rounds, as Flower's runtimes do. Replies can be tampered with,
+dropped or reordered, to test the server's validation and order independence.
+Messages can also be passed through Flower's own serialization (deflate/inflate).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from flwr.app import Context, Error, Message, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.common.constant import ErrorCode
+from flwr.supercore.task_identity import TaskIdentity
+
+#: Flower-like random node ids (deliberately unrelated to the partition ids).
+NODE_IDS = [
+    7_340_981_223,
+    91_022_334,
+    5_551_212,
+    123_456_789_012,
+    42_424_242,
+    8_000_001,
+    3_141_592_653,
+    2_718_281,
+    1_618_033,
+    99_999_991,
+    11_235_813,
+    27_182_818,
+]
+
+
+def set_task_identity() -> None:
+    TaskIdentity.run_id = 1
+    TaskIdentity.node_id = 0
+    TaskIdentity.task_id = 0
+
+
+#: (partition id, reply, the instruction it answers) -> new reply, or None to drop it.
+Tamper = Callable[[int, Message, Message], Message | None]
+
+
+class InProcessGrid:
+    """A Grid whose nodes run ``client_app`` in this process."""
+
+    def __init__(
+        self,
+        client_app: ClientApp,
+        num_nodes: int,
+        *,
+        tamper: Tamper | None = None,
+        order: Callable[[list[Message]], list[Message]] | None = None,
+        node_ids: list[int] | None = None,
+    ) -> None:
+        node_ids = list(node_ids or NODE_IDS)
+        if num_nodes > len(node_ids):
+            raise ValueError(f"at most {len(node_ids)} in-process nodes")
+        self.app = client_app
+        self.contexts = {
+            node_id: Context(
+                run_id=1,
+                node_id=node_id,
+                node_config={"partition-id": pid, "num-partitions": num_nodes},
+                state=RecordDict(),
+                run_config={},
+            )
+            for pid, node_id in enumerate(node_ids[:num_nodes])
+        }
+        self.tamper = tamper
+        self.order = order
+        self.sent: list[Message] = []
+        self.replies: list[Message] = []
+
+    def partition_of(self, node_id: int) -> int:
+        return int(self.contexts[node_id].node_config["partition-id"])
+
+    def get_node_ids(self) -> Iterable[int]:
+        return list(self.contexts)
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
+        replies = []
+        for msg in messages:
+            self.sent.append(msg)
+            node_id = msg.metadata.dst_node_id
+            try:
+                reply = self.app(msg, self.contexts[node_id])
+            except Exception as exc:  # a ClientApp exception becomes an error reply
+                reply = Message(
+                    Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=repr(exc)),
+                    reply_to=msg,
+                )
+            if self.tamper is not None:
+                reply = self.tamper(self.partition_of(node_id), reply, msg)
+                if reply is None:
+                    continue
+            replies.append(reply)
+        if self.order is not None:
+            replies = self.order(replies)
+        self.replies.extend(replies)
+        return replies

@@ -1,0 +1,121 @@
+"""The wire format and the dense codecs (raw, fp32): exact round trips, real sizes,
+and clear errors on malformed buffers."""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import pytest
+import torch
+
+from fedcomp.codecs import PayloadError, decode_bytes, make_codec, make_codec_from_spec
+from fedcomp.codecs.wire import HEADER_FIXED_BYTES
+
+
+def _expected_size(x: torch.Tensor, itemsize: int) -> int:
+    """16-byte fixed header + 4 bytes per dimension + the packed values."""
+    return 16 + 4 * x.dim() + itemsize * x.numel()
+
+
+TENSORS = {
+    "matrix": torch.randn(7, 5, generator=torch.Generator().manual_seed(0)),
+    "scalar": torch.tensor(3.25),
+    "empty": torch.empty(0, 4),
+    "non_contiguous": torch.randn(6, 4, generator=torch.Generator().manual_seed(1)).t(),
+    "fp16": torch.randn(9, generator=torch.Generator().manual_seed(2)).half(),
+    "bf16": torch.randn(9, generator=torch.Generator().manual_seed(3)).bfloat16(),
+    "huge": torch.tensor([3.0e38, -3.0e38, 1e-45, 0.0]),
+    "all_zero": torch.zeros(3, 3),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TENSORS))
+def test_fp32_roundtrip_is_exact_with_real_size(name: str) -> None:
+    x = TENSORS[name]
+    codec = make_codec("fp32")
+    payload = codec.encode(x, seed=0)
+    buf = bytes(payload)
+    assert len(buf) == len(payload) == _expected_size(x, 4)
+    for y in (codec.decode(payload), decode_bytes(buf)):
+        assert y.dtype == x.dtype and y.shape == x.shape
+        assert torch.equal(y, x)
+
+
+@pytest.mark.parametrize(
+    "x",
+    [
+        torch.arange(10),
+        torch.tensor([True, False]),
+        torch.tensor(5, dtype=torch.int32),
+        torch.randn(3).double(),
+    ],
+)
+def test_raw_roundtrip_keeps_dtype_and_bytes(x: torch.Tensor) -> None:
+    buf = bytes(make_codec("raw").encode(x, seed=0))
+    assert len(buf) == _expected_size(x, x.element_size())
+    y = decode_bytes(buf)
+    assert y.dtype == x.dtype and torch.equal(y, x)
+
+
+def test_same_input_same_bytes() -> None:
+    x = TENSORS["matrix"]
+    assert bytes(make_codec("fp32").encode(x, seed=1)) == bytes(
+        make_codec("fp32").encode(x, seed=1)
+    )
+
+
+def test_every_truncation_and_extension_is_rejected() -> None:
+    buf = bytes(make_codec("fp32").encode(torch.randn(3, 2), seed=0))
+    for cut in range(len(buf)):
+        with pytest.raises(PayloadError):
+            decode_bytes(buf[:cut])
+    with pytest.raises(PayloadError):
+        decode_bytes(buf + b"\x00")
+
+
+def _with_header(buf: bytes, offset: int, fmt: str, value: int) -> bytes:
+    out = bytearray(buf)
+    struct.pack_into(fmt, out, offset, value)
+    return bytes(out)
+
+
+@pytest.mark.parametrize(
+    ("offset", "fmt", "value", "needle"),
+    [
+        (0, "<H", 0x5858, "magic"),
+        (2, "<B", 9, "version"),
+        (3, "<B", 200, "unknown codec id"),
+        (4, "<B", 77, "dtype code"),
+        (5, "<B", 40, "dimensions"),
+    ],
+)
+def test_bad_header_fields_are_named(offset: int, fmt: str, value: int, needle: str) -> None:
+    buf = bytes(make_codec("fp32").encode(torch.randn(4), seed=0))
+    with pytest.raises(PayloadError, match=needle):
+        decode_bytes(_with_header(buf, offset, fmt, value))
+
+
+def test_enormous_claimed_shape_is_rejected_before_allocating() -> None:
+    buf = bytes(make_codec("fp32").encode(torch.randn(2, 2), seed=0))
+    # Claim 2^32-1 x 2^32-1 elements: decoding must compare sizes, not allocate.
+    bad = _with_header(
+        _with_header(buf, HEADER_FIXED_BYTES, "<I", 2**32 - 1),
+        HEADER_FIXED_BYTES + 4,
+        "<I",
+        2**32 - 1,
+    )
+    with pytest.raises(PayloadError, match="needs"):
+        decode_bytes(bad)
+    assert math.prod((2**32 - 1, 2**32 - 1)) > 2**60
+
+
+def test_factory_rejects_unknown_names_and_params() -> None:
+    with pytest.raises(ValueError, match=r"unknown codec 'gzip'.*fp32"):
+        make_codec("gzip")
+    with pytest.raises(ValueError, match=r"does not take parameter.*bits"):
+        make_codec("fp32", bits=4)
+    with pytest.raises(ValueError, match="needs a 'name'"):
+        make_codec_from_spec({"bits": 4})
+    with pytest.raises(ValueError, match="floating-point"):
+        make_codec("fp32").encode(torch.arange(3), seed=0)
