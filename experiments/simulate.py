@@ -6,6 +6,7 @@ import logging
 from typing import Any
 
 from experiments.runtime import ray_temp_dir
+from fedcomp.codecs import make_codec_from_spec
 from fedcomp.data import check_data_settings
 from fedcomp.settings import Settings, validate
 
@@ -30,10 +31,20 @@ def backend_config(settings: Settings, *, verbose: bool = False) -> dict[str, An
     }
 
 
-def simulate(settings: Settings, *, verbose: bool = False) -> dict[str, Any]:
-    """Validate (before Ray starts), run the simulation, return the results object."""
+def preflight(settings: Settings) -> None:
+    """Every check that can fail, run before Ray starts: values, data sizes, codec and
+    strategy specs (each raises ValueError naming the key and the value)."""
     validate(settings)
     check_data_settings(settings)
+    make_codec_from_spec(settings.codec)
+    from strategies.inner import make_inner_strategy
+
+    make_inner_strategy(settings.strategy, settings.num_clients)
+
+
+def simulate(settings: Settings, *, verbose: bool = False) -> dict[str, Any]:
+    """Check everything (before Ray starts), run the simulation, return the results."""
+    preflight(settings)
     from flwr.simulation import run_simulation
 
     from clients.client_app import make_client_app

@@ -567,16 +567,17 @@ class CompressedStrategy(Strategy):
         self.rounds.append(record)
         self._state = None
         log.info(
-            "round %d/%d | accuracy %s loss %s | client acc %s | up record %d B wire %d B"
-            " | down wire %d B | %d/%d replied | %.2f s",
+            "round %d/%d | accuracy %s loss %s | client acc %s | up codec %s record %s wire %s"
+            " | down wire %s | %d/%d replied | %.2f s",
             server_round,
             self._num_rounds,
             _fmt(record["accuracy"]),
             _fmt(record["loss"]),
             _fmt(record["client_accuracy"]),
-            record["uplink_record_bytes"],
-            record["uplink_wire_bytes"],
-            record["downlink_wire_bytes"],
+            _human(record["uplink_codec_bytes"]),
+            _human(record["uplink_record_bytes"]),
+            _human(record["uplink_wire_bytes"]),
+            _human(record["downlink_wire_bytes"]),
             record["replied"],
             record["selected"],
             record["round_s"],
@@ -590,6 +591,14 @@ def _short(reason: str, limit: int = 300) -> str:
     lines = [line.strip() for line in str(reason).splitlines() if line.strip()]
     text = lines[-1] if lines else ""
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _human(num_bytes: int) -> str:
+    """Bytes for the log line (results.json keeps exact integers)."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if num_bytes >= size:
+            return f"{num_bytes / size:.3f} {unit}"
+    return f"{num_bytes} B"
 
 
 def _fmt(value: float | None) -> str:
