@@ -50,7 +50,13 @@ from flwr.serverapp.strategy import (
 )
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
-from fedcomp.codecs import PayloadError, decode_bytes, make_codec_from_spec, parse_payload
+from fedcomp.codecs import (
+    PayloadError,
+    codec_class_by_id,
+    decode_bytes,
+    make_codec_from_spec,
+    parse_payload,
+)
 from fedcomp.codecs.wire import DTYPE_CODES
 from fedcomp.keys import (
     KEY_CODEC,
@@ -346,9 +352,15 @@ class CompressedStrategy(Strategy):
                 raise ReplyError(f"{name}: shape {header_.shape} != global {reference.shape}")
             if DTYPE_CODES[header_.dtype] != DTYPE_CODES[_torch_dtype(reference)]:
                 raise ReplyError(f"{name}: dtype {header_.dtype} != global {reference.dtype}")
-            expected_seed = derive_seed(self.run_seed, state.number, sid, name)
-            if header_.seed not in (0, expected_seed):
-                raise ReplyError(f"{name}: derived seed in header does not match the server's")
+            codec_cls = codec_class_by_id(header_.codec_id)
+            if codec_cls is None:
+                raise ReplyError(f"{name}: unknown codec id {header_.codec_id}")
+            # Codecs that regenerate public draws carry the derived seed: it must be
+            # the one the server derives itself, or decoding would use other draws.
+            needs = codec_cls.needs_seed
+            expected_seed = derive_seed(self.run_seed, state.number, sid, name) if needs else 0
+            if header_.seed != expected_seed:
+                raise ReplyError(f"{name}: seed in header does not match the server's")
             delta = decode_bytes(buf).numpy()
             if delta.dtype.kind == "f" and not np.isfinite(delta).all():
                 raise ReplyError(f"{name}: non-finite values in the update")

@@ -17,7 +17,7 @@ from experiments.runtime import PROJECT_ROOT
 from fedcomp.settings import Settings
 
 
-def _compose(*overrides: str):  # noqa: ANN202
+def _compose(*overrides: str):
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return compose(config_name="config", overrides=list(overrides))
 
@@ -78,7 +78,7 @@ def test_bad_values_never_reach_the_simulation(
 
     from experiments.simulate import simulate
 
-    def must_not_run(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def must_not_run(*args, **kwargs):
         raise AssertionError("run_simulation was reached with a bad setting")
 
     monkeypatch.setattr(flwr.simulation, "run_simulation", must_not_run)
@@ -92,7 +92,10 @@ def test_cli_reports_bad_values_and_exits_nonzero(override: str, needle: str) ->
     t0 = time.perf_counter()
     out = subprocess.run(
         [sys.executable, "-m", "experiments.run", override, "hydra.run.dir=/tmp/fedcomp-bad"],
-        capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=120,
+        capture_output=True,
+        text=True,
+        cwd=PROJECT_ROOT,
+        timeout=120,
     )
     assert out.returncode != 0
     assert needle in out.stderr + out.stdout

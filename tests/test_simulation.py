@@ -28,8 +28,11 @@ SMALL = {"num_clients": 3, "num_rounds": 2, "seed": 3}
 
 def _ray_processes() -> list[str]:
     out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True)
-    return [line for line in out.stdout.splitlines()
-            if any(tag in line for tag in ("raylet", "gcs_server", "ray::", "default_worker.py"))]
+    return [
+        line
+        for line in out.stdout.splitlines()
+        if any(tag in line for tag in ("raylet", "gcs_server", "ray::", "default_worker.py"))
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -39,14 +42,15 @@ def first_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Settings, dict,
     return settings, simulate(settings), path
 
 
-def test_simulation_learns_writes_results_and_counts_real_bytes(first_run) -> None:  # noqa: ANN001
+def test_simulation_learns_writes_results_and_counts_real_bytes(first_run) -> None:
     settings, results, path = first_run
     assert load_results(path) == json.loads(json.dumps(results))
     summary = results["summary"]
     assert summary["final_accuracy"] > summary["initial_accuracy"] + 0.2
     model = build_model(settings.model, settings.dataset.name, settings.seed)
-    fp32_packed = sum(HEADER_FIXED_BYTES + 4 * p.dim() + 4 * p.numel()
-                      for p in model.state_dict().values())
+    fp32_packed = sum(
+        HEADER_FIXED_BYTES + 4 * p.dim() + 4 * p.numel() for p in model.state_dict().values()
+    )
     model_bytes = 4 * sum(p.numel() for p in model.state_dict().values())
     for rnd in results["rounds"]:
         assert (rnd["selected"], rnd["replied"], rnd["failures"]) == (3, 3, 0)
@@ -60,18 +64,25 @@ def test_simulation_learns_writes_results_and_counts_real_bytes(first_run) -> No
     assert summary["ratio_vs_fp32_codec"] == 1.0
 
 
-def test_no_ray_process_is_left_behind(first_run) -> None:  # noqa: ANN001
+def test_no_ray_process_is_left_behind(first_run) -> None:
     deadline = time.monotonic() + 20
     while _ray_processes() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert _ray_processes() == []
 
 
-def test_same_seed_gives_the_same_per_round_metrics(first_run) -> None:  # noqa: ANN001
-    settings, results, _ = first_run
+def test_same_seed_gives_the_same_per_round_metrics(first_run) -> None:
+    _settings, results, _ = first_run
     again = simulate(settings_from_dict({**SMALL}))
-    keys = ("accuracy", "loss", "client_accuracy", "client_loss", "uplink_codec_bytes",
-            "uplink_record_bytes", "replied")
+    keys = (
+        "accuracy",
+        "loss",
+        "client_accuracy",
+        "client_loss",
+        "uplink_codec_bytes",
+        "uplink_record_bytes",
+        "replied",
+    )
     for a, b in zip(results["rounds"], again["rounds"], strict=True):
         # Replies are decoded and summed in stable-id order, so this is bit-identical.
         assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
@@ -81,21 +92,39 @@ def test_multirun_writes_one_valid_results_file_per_run_and_report_matches(
     tmp_path: Path,
 ) -> None:
     sweep = tmp_path / "sweep"
-    cmd = [sys.executable, "-m", "experiments.run", "-m", "seed=0,1", "partition.alpha=0.1,1.0",
-           "num_rounds=1", "num_clients=3", f"hydra.sweep.dir={sweep}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "experiments.run",
+        "-m",
+        "seed=0,1",
+        "partition.alpha=0.1,1.0",
+        "num_rounds=1",
+        "num_clients=3",
+        f"hydra.sweep.dir={sweep}",
+    ]
     subprocess.run(cmd, cwd=PROJECT_ROOT, check=True, capture_output=True, timeout=600)
     files = sorted(sweep.rglob("results.json"))
     assert len(files) == 4
     runs = [load_results(f) for f in files]
     assert sorted((r["config"]["seed"], r["config"]["partition"]["alpha"]) for r in runs) == [
-        (0, 0.1), (0, 1.0), (1, 0.1), (1, 1.0)]
+        (0, 0.1),
+        (0, 1.0),
+        (1, 0.1),
+        (1, 1.0),
+    ]
     header, rows = table_rows(runs)
     assert header[:2] == ["seed", "partition.alpha"]
     for run, row in zip(runs, rows, strict=True):
         assert row[header.index("final_accuracy")] == run["summary"]["final_accuracy"]
         assert row[header.index("uplink_wire_bytes")] == run["summary"]["uplink_wire_bytes_total"]
         assert row[header.index("wall_s")] == run["summary"]["wall_s"]
-    out = subprocess.run([sys.executable, "-m", "experiments.report", str(sweep)], cwd=PROJECT_ROOT,
-                         check=True, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "experiments.report", str(sweep)],
+        cwd=PROJECT_ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     lines = out.stdout.strip().splitlines()
     assert lines[0].startswith("| seed | partition.alpha |") and len(lines) == 2 + 4

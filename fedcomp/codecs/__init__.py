@@ -18,8 +18,16 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
-from fedcomp.codecs import dense as _dense  # noqa: F401  (registers raw, fp32)
-from fedcomp.codecs.base import Codec, codec_class, codec_names, decode_bytes
+from fedcomp.codecs import dense as _dense  # noqa: F401  (registers raw, fp32, fp16, bf16)
+from fedcomp.codecs import quantizers as _quantizers  # noqa: F401  (uniform, qsgd, sign)
+from fedcomp.codecs import sparse as _sparse  # noqa: F401  (topk, randk)
+from fedcomp.codecs.base import (
+    Codec,
+    codec_class,
+    codec_class_by_id,
+    codec_names,
+    decode_bytes,
+)
 from fedcomp.codecs.policy import TensorPolicy
 from fedcomp.codecs.wire import Payload, PayloadError, PayloadHeader, parse_payload
 
@@ -63,6 +71,7 @@ __all__ = [
     "PayloadError",
     "PayloadHeader",
     "TensorPolicy",
+    "codec_class_by_id",
     "codec_names",
     "decode_bytes",
     "make_codec",

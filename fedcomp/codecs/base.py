@@ -24,6 +24,9 @@ class Codec(ABC):
     name: ClassVar[str]
     #: True when E[decode(encode(x))] = x (a claim backed by a test).
     unbiased: ClassVar[bool]
+    #: True when decode regenerates public draws from the seed in the header; the
+    #: server then checks that seed against the one it derives itself.
+    needs_seed: ClassVar[bool] = False
 
     @abstractmethod
     def encode(self, x: torch.Tensor, *, seed: int) -> Payload:
@@ -42,6 +45,15 @@ class Codec(ABC):
         """The spec that rebuilds this codec with ``make_codec(**spec)``."""
         return {"name": self.name}
 
+    def variance_factor(self, numel: int) -> float | None:
+        """omega with E||decode(encode(x)) - x||^2 <= omega ||x||^2 (unbiased codecs),
+        or None when the codec gives no such bound."""
+        return 0.0 if self.unbiased else None
+
+    def nominal_bits(self, numel: int) -> float:
+        """Bits per coordinate this codec should produce (scales included, header not)."""
+        raise NotImplementedError
+
 
 _BY_ID: dict[int, type[Codec]] = {}
 _BY_NAME: dict[str, type[Codec]] = {}
@@ -59,6 +71,11 @@ def register(cls: type[Codec]) -> type[Codec]:
 def codec_names() -> list[str]:
     """Names accepted by ``make_codec``."""
     return sorted(_BY_NAME)
+
+
+def codec_class_by_id(codec_id: int) -> type[Codec] | None:
+    """The codec class behind a wire id, or None."""
+    return _BY_ID.get(codec_id)
 
 
 def codec_class(name: str) -> type[Codec]:

@@ -45,6 +45,9 @@ class RawCodec(Codec):
     def encode(self, x: torch.Tensor, *, seed: int = 0) -> Payload:
         return Payload(header_for(self.codec_id, x), tensor_to_bytes(x))
 
+    def nominal_bits(self, numel: int) -> float:
+        return 32.0
+
     @classmethod
     def decode_payload(cls, payload: Payload) -> torch.Tensor:
         h = payload.header
@@ -64,9 +67,56 @@ class Fp32Codec(Codec):
             raise ValueError(f"fp32 codec needs a floating-point tensor, got {x.dtype}")
         return Payload(header_for(self.codec_id, x), tensor_to_bytes(x.to(torch.float32)))
 
+    def nominal_bits(self, numel: int) -> float:
+        return 32.0
+
     @classmethod
     def decode_payload(cls, payload: Payload) -> torch.Tensor:
         h = payload.header
         if not h.dtype.is_floating_point:
             raise PayloadError(f"fp32 payload declares a non-float dtype {h.dtype}")
         return bytes_to_tensor(payload.body, torch.float32, h.shape).to(h.dtype)
+
+
+class _CastCodec(Codec):
+    """Round to a 16-bit float format (round to nearest even: deterministic, biased)."""
+
+    unbiased = False
+    wire_dtype: torch.dtype
+
+    def encode(self, x: torch.Tensor, *, seed: int = 0) -> Payload:
+        if not x.is_floating_point():
+            raise ValueError(f"{self.name} codec needs a floating-point tensor, got {x.dtype}")
+        cast = x.detach().to(self.wire_dtype)
+        if x.numel() and torch.isfinite(x).all() and not torch.isfinite(cast).all():
+            limit = torch.finfo(self.wire_dtype).max
+            raise ValueError(f"{self.name}: values beyond +-{limit:g} overflow the format")
+        return Payload(header_for(self.codec_id, x), tensor_to_bytes(cast))
+
+    @classmethod
+    def decode_payload(cls, payload: Payload) -> torch.Tensor:
+        h = payload.header
+        if not h.dtype.is_floating_point:
+            raise PayloadError(f"{cls.name} payload declares a non-float dtype {h.dtype}")
+        return bytes_to_tensor(payload.body, cls.wire_dtype, h.shape).to(h.dtype)
+
+    def nominal_bits(self, numel: int) -> float:
+        return 16.0
+
+
+@register
+class Fp16Codec(_CastCodec):
+    """IEEE half precision (overflow beyond 65504 is an encode error, not an inf)."""
+
+    codec_id = 2
+    name = "fp16"
+    wire_dtype = torch.float16
+
+
+@register
+class Bf16Codec(_CastCodec):
+    """bfloat16: float32's range, 8 bits of mantissa."""
+
+    codec_id = 3
+    name = "bf16"
+    wire_dtype = torch.bfloat16

@@ -1,0 +1,101 @@
+"""Bit packing of small unsigned codes and varint coding of index gaps (numpy, vectorized).
+
+- ``pack_bits(codes, bits)``: ``n`` codes of ``bits`` bits each (1..8) into
+  ``ceil(n * bits / 8)`` bytes, most significant bit first. 1-bit codes take one bit,
+  4-bit codes half a byte.
+- ``encode_varints(values)``: unsigned LEB128, 7 bits per byte; used for the gaps
+  between sorted top-k indices, so indices cost about log2(gap) bits, never 64.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fedcomp.codecs.wire import PayloadError
+
+
+def packed_size(n: int, bits: int) -> int:
+    """Bytes taken by ``n`` codes of ``bits`` bits."""
+    return (n * bits + 7) // 8
+
+
+def pack_bits(codes: np.ndarray, bits: int) -> bytes:
+    """Pack unsigned codes (each < 2**bits) into bytes, MSB first."""
+    if not 1 <= bits <= 8:
+        raise ValueError(f"bits must be in 1..8, got {bits!r}")
+    codes = np.ascontiguousarray(codes, dtype=np.uint8).reshape(-1)
+    if bits == 8:
+        return codes.tobytes()
+    if bits == 1:
+        return np.packbits(codes).tobytes()
+    if 8 % bits == 0:  # 2 or 4 bits: several whole codes per byte
+        per = 8 // bits
+        padded = np.zeros(packed_size(codes.size, bits) * per, dtype=np.uint8)
+        padded[: codes.size] = codes
+        groups = padded.reshape(-1, per)
+        shifts = np.arange(per - 1, -1, -1, dtype=np.uint8) * bits
+        return np.bitwise_or.reduce(groups << shifts, axis=1).astype(np.uint8).tobytes()
+    # 3, 5, 6, 7 bits: go through bit planes.
+    planes = np.unpackbits(codes[:, None], axis=1)[:, 8 - bits :]
+    return np.packbits(planes.reshape(-1)).tobytes()
+
+
+def unpack_bits(buf: bytes | memoryview, n: int, bits: int) -> np.ndarray:
+    """Inverse of :func:`pack_bits`; the buffer must have exactly the packed size."""
+    if not 1 <= bits <= 8:
+        raise PayloadError(f"bits must be in 1..8, got {bits!r}")
+    expected = packed_size(n, bits)
+    if len(buf) != expected:
+        raise PayloadError(f"{n} codes of {bits} bits need {expected} bytes, got {len(buf)}")
+    raw = np.frombuffer(buf, dtype=np.uint8)
+    if bits == 8:
+        return raw.copy()
+    if bits == 1:
+        return np.unpackbits(raw, count=n)
+    if 8 % bits == 0:
+        per = 8 // bits
+        shifts = np.arange(per - 1, -1, -1, dtype=np.uint8) * bits
+        mask = np.uint8((1 << bits) - 1)
+        return ((raw[:, None] >> shifts) & mask).reshape(-1)[:n]
+    planes = np.unpackbits(raw, count=n * bits).reshape(n, bits)
+    weights = (1 << np.arange(bits - 1, -1, -1)).astype(np.uint8)
+    return (planes * weights).sum(axis=1, dtype=np.uint16).astype(np.uint8)
+
+
+def encode_varints(values: np.ndarray) -> bytes:
+    """Unsigned LEB128 of a 1-d array of non-negative integers (< 2**63)."""
+    v = np.ascontiguousarray(values, dtype=np.uint64).reshape(-1)
+    if v.size == 0:
+        return b""
+    # Number of 7-bit groups per value (at least one).
+    nbytes = np.ones(v.size, dtype=np.int64)
+    rest = v >> np.uint64(7)
+    while rest.any():
+        nbytes += rest > 0
+        rest >>= np.uint64(7)
+    out = np.empty(int(nbytes.sum()), dtype=np.uint8)
+    starts = np.concatenate(([0], np.cumsum(nbytes)[:-1]))
+    for j in range(int(nbytes.max())):
+        has = nbytes > j
+        group = ((v[has] >> np.uint64(7 * j)) & np.uint64(0x7F)).astype(np.uint8)
+        more = (nbytes[has] > j + 1).astype(np.uint8) << 7
+        out[starts[has] + j] = group | more
+    return out.tobytes()
+
+
+def decode_varints(buf: bytes | memoryview, count: int) -> np.ndarray:
+    """Decode exactly ``count`` LEB128 values that fill ``buf`` completely."""
+    raw = np.frombuffer(buf, dtype=np.uint8)
+    ends = np.flatnonzero((raw & 0x80) == 0)
+    if ends.size != count or (count and ends[-1] != raw.size - 1) or (not count and raw.size):
+        raise PayloadError(f"varint stream does not hold exactly {count} values")
+    starts = np.concatenate(([0], ends[:-1] + 1))
+    lengths = ends - starts + 1
+    if lengths.size and lengths.max() > 9:
+        raise PayloadError("varint longer than 63 bits")
+    values = np.zeros(count, dtype=np.uint64)
+    for j in range(int(lengths.max()) if lengths.size else 0):
+        has = lengths > j
+        group = (raw[starts[has] + j] & 0x7F).astype(np.uint64)
+        values[has] |= group << np.uint64(7 * j)
+    return values

@@ -1,0 +1,230 @@
+"""Block-scaled quantizers: stochastic uniform b-bit, QSGD, and scaled sign.
+
+Body layouts (little-endian), after the common header:
+
+- uniform: ``u8 bits, u8 0, u32 block`` | float32 max|x| per block | codes, ``bits`` each
+- qsgd:    ``u8 levels, u8 0, u32 block`` | float32 L2 norm per block | codes of
+           ``ceil(log2(2 levels + 1))`` bits: signed level + levels
+- sign:    ``u32 block`` | float32 mean|x| per block | one bit per coordinate (1 = negative)
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import numpy as np
+import torch
+
+from fedcomp.codecs.base import Codec, header_for, register
+from fedcomp.codecs.blocks import (
+    as_blocks,
+    block_counts,
+    check_block,
+    check_finite,
+    dither,
+    expect_length,
+    num_blocks,
+    read_scales,
+)
+from fedcomp.codecs.packing import pack_bits, packed_size, unpack_bits
+from fedcomp.codecs.wire import Payload, PayloadError
+
+_BITS_BLOCK = struct.Struct("<BBI")
+_BLOCK = struct.Struct("<I")
+
+
+def _float_only(x: torch.Tensor, codec: str) -> None:
+    if not x.is_floating_point():
+        raise ValueError(f"{codec} codec needs a floating-point tensor, got {x.dtype}")
+
+
+def _scales_bytes(scales: torch.Tensor) -> bytes:
+    return scales.to(torch.float32).numpy().astype("<f4").tobytes()
+
+
+def stochastic_round(t: torch.Tensor, seed: int) -> torch.Tensor:
+    """floor(t + u) with u ~ U(0, 1): E = t (up to the 16-bit dither resolution)."""
+    return t.add_(dither(seed, tuple(t.shape))).floor_()
+
+
+def _finish(values: torch.Tensor, numel: int, shape: tuple[int, ...], dtype: torch.dtype):
+    return values.reshape(-1)[:numel].reshape(shape).to(dtype)
+
+
+@register
+class UniformCodec(Codec):
+    """Stochastic uniform quantization to ``2^bits`` levels on [-s, s], s = max|x| per block.
+
+    Unbiased; per coordinate the error variance is at most (2s / (2^bits - 1))^2 / 4,
+    so E||error||^2 <= block / (2^bits - 1)^2 * ||x||^2 (omega below).
+    """
+
+    codec_id = 4
+    name = "uniform"
+    unbiased = True
+
+    def __init__(self, bits: int = 8, block: int = 256) -> None:
+        if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
+            raise ValueError(f"uniform: bits must be an integer in 1..8, got {bits!r}")
+        self.bits = bits
+        self.block = check_block(block)
+
+    def spec(self) -> dict:
+        return {"name": self.name, "bits": self.bits, "block": self.block}
+
+    def variance_factor(self, numel: int) -> float:
+        return min(self.block, max(numel, 1)) / (2**self.bits - 1) ** 2
+
+    def nominal_bits(self, numel: int) -> float:
+        return self.bits + 32.0 / min(self.block, max(numel, 1))
+
+    def encode(self, x: torch.Tensor, *, seed: int) -> Payload:
+        _float_only(x, self.name)
+        check_finite(x, self.name)
+        levels = 2**self.bits - 1
+        blocks = as_blocks(x, self.block)
+        scales = blocks.abs().amax(dim=1) if blocks.numel() else blocks.new_zeros(0)
+        inv = torch.where(scales > 0, levels / (2 * scales), torch.zeros_like(scales))
+        t = (blocks + scales[:, None]).mul_(inv[:, None])
+        codes = stochastic_round(t, seed).clamp_(0, levels).to(torch.uint8)
+        body = (
+            _BITS_BLOCK.pack(self.bits, 0, self.block)
+            + _scales_bytes(scales)
+            + pack_bits(codes.reshape(-1)[: x.numel()].numpy(), self.bits)
+        )
+        return Payload(header_for(self.codec_id, x), body)
+
+    @classmethod
+    def decode_payload(cls, payload: Payload) -> torch.Tensor:
+        h, body = payload.header, memoryview(payload.body)
+        if len(body) < _BITS_BLOCK.size:
+            raise PayloadError("uniform: body too short for its parameters")
+        bits, _, block = _BITS_BLOCK.unpack_from(body, 0)
+        if not 1 <= bits <= 8 or block < 1 or not h.dtype.is_floating_point:
+            raise PayloadError(f"uniform: invalid parameters bits={bits} block={block}")
+        n, nb = h.numel, num_blocks(h.numel, block)
+        expect_length(body, _BITS_BLOCK.size + 4 * nb + packed_size(n, bits), "uniform")
+        scales = read_scales(body, _BITS_BLOCK.size, nb)
+        codes = unpack_bits(body[_BITS_BLOCK.size + 4 * nb :], n, bits)
+        levels = 2**bits - 1
+        q = torch.zeros(nb * block, dtype=torch.float32)
+        q[:n] = torch.from_numpy(codes).to(torch.float32)
+        values = q.view(nb, block).mul_((2 * scales / levels)[:, None]).sub_(scales[:, None])
+        return _finish(values, n, h.shape, h.dtype)
+
+
+def _qsgd_width(levels: int) -> int:
+    return max(1, math.ceil(math.log2(2 * levels + 1)))
+
+
+@register
+class QSGDCodec(Codec):
+    """QSGD (Alistarh et al., 2017): |x_i| / ||x_block|| stochastically rounded to
+    ``levels`` levels, plus the sign; one float32 norm per block. Unbiased, with
+    omega = min(block / levels^2, sqrt(block) / levels).
+    """
+
+    codec_id = 5
+    name = "qsgd"
+    unbiased = True
+
+    def __init__(self, levels: int = 16, block: int = 1024) -> None:
+        if isinstance(levels, bool) or not isinstance(levels, int) or not 1 <= levels <= 127:
+            raise ValueError(f"qsgd: levels must be an integer in 1..127, got {levels!r}")
+        self.levels = levels
+        self.block = check_block(block)
+
+    def spec(self) -> dict:
+        return {"name": self.name, "levels": self.levels, "block": self.block}
+
+    def variance_factor(self, numel: int) -> float:
+        d = min(self.block, max(numel, 1))
+        return min(d / self.levels**2, math.sqrt(d) / self.levels)
+
+    def nominal_bits(self, numel: int) -> float:
+        return _qsgd_width(self.levels) + 32.0 / min(self.block, max(numel, 1))
+
+    def encode(self, x: torch.Tensor, *, seed: int) -> Payload:
+        _float_only(x, self.name)
+        check_finite(x, self.name)
+        blocks = as_blocks(x, self.block).to(torch.float64)  # norms of large blocks
+        norms = blocks.norm(dim=1) if blocks.numel() else blocks.new_zeros(0)
+        inv = torch.where(norms > 0, self.levels / norms, torch.zeros_like(norms))
+        t = (blocks.abs() * inv[:, None]).to(torch.float32)
+        level = stochastic_round(t, seed).clamp_(0, self.levels)
+        signed = torch.where(blocks < 0, -level, level) + self.levels
+        width = _qsgd_width(self.levels)
+        body = (
+            _BITS_BLOCK.pack(self.levels, 0, self.block)
+            + _scales_bytes(norms)
+            + pack_bits(signed.to(torch.uint8).reshape(-1)[: x.numel()].numpy(), width)
+        )
+        return Payload(header_for(self.codec_id, x), body)
+
+    @classmethod
+    def decode_payload(cls, payload: Payload) -> torch.Tensor:
+        h, body = payload.header, memoryview(payload.body)
+        if len(body) < _BITS_BLOCK.size:
+            raise PayloadError("qsgd: body too short for its parameters")
+        levels, _, block = _BITS_BLOCK.unpack_from(body, 0)
+        if not 1 <= levels <= 127 or block < 1 or not h.dtype.is_floating_point:
+            raise PayloadError(f"qsgd: invalid parameters levels={levels} block={block}")
+        n, nb, width = h.numel, num_blocks(h.numel, block), _qsgd_width(levels)
+        expect_length(body, _BITS_BLOCK.size + 4 * nb + packed_size(n, width), "qsgd")
+        norms = read_scales(body, _BITS_BLOCK.size, nb)
+        codes = unpack_bits(body[_BITS_BLOCK.size + 4 * nb :], n, width)
+        if n and int(codes.max()) > 2 * levels:
+            raise PayloadError("qsgd: code beyond the level range")
+        q = torch.zeros(nb * block, dtype=torch.float32)
+        q[:n] = torch.from_numpy(codes.astype(np.float32)) - levels
+        values = q.view(nb, block).mul_((norms / levels)[:, None])
+        return _finish(values, n, h.shape, h.dtype)
+
+
+@register
+class SignCodec(Codec):
+    """Scaled signSGD: one bit per coordinate and the mean |x| of each block.
+
+    Biased (it is a deterministic 1-bit code); pair it with error feedback (``ef``).
+    """
+
+    codec_id = 6
+    name = "sign"
+    unbiased = False
+
+    def __init__(self, block: int = 1024) -> None:
+        self.block = check_block(block)
+
+    def spec(self) -> dict:
+        return {"name": self.name, "block": self.block}
+
+    def nominal_bits(self, numel: int) -> float:
+        return 1.0 + 32.0 / min(self.block, max(numel, 1))
+
+    def encode(self, x: torch.Tensor, *, seed: int = 0) -> Payload:
+        _float_only(x, self.name)
+        check_finite(x, self.name)
+        blocks = as_blocks(x, self.block)
+        counts = block_counts(x.numel(), self.block)
+        scales = blocks.abs().sum(dim=1) / counts if blocks.numel() else blocks.new_zeros(0)
+        negative = (x.detach().reshape(-1) < 0).numpy()
+        body = _BLOCK.pack(self.block) + _scales_bytes(scales) + np.packbits(negative).tobytes()
+        return Payload(header_for(self.codec_id, x), body)
+
+    @classmethod
+    def decode_payload(cls, payload: Payload) -> torch.Tensor:
+        h, body = payload.header, memoryview(payload.body)
+        if len(body) < _BLOCK.size:
+            raise PayloadError("sign: body too short for its parameters")
+        (block,) = _BLOCK.unpack_from(body, 0)
+        if block < 1 or not h.dtype.is_floating_point:
+            raise PayloadError(f"sign: invalid block={block}")
+        n, nb = h.numel, num_blocks(h.numel, block)
+        expect_length(body, _BLOCK.size + 4 * nb + packed_size(n, 1), "sign")
+        scales = read_scales(body, _BLOCK.size, nb)
+        bits = unpack_bits(body[_BLOCK.size + 4 * nb :], n, 1)
+        signs = torch.ones(nb * block, dtype=torch.float32)
+        signs[:n] -= 2 * torch.from_numpy(bits).to(torch.float32)
+        values = signs.view(nb, block).mul_(scales[:, None])
+        return _finish(values, n, h.shape, h.dtype)

@@ -1,0 +1,193 @@
+"""Sparsifiers: top-k (largest magnitudes, indices varint-coded) and random-k
+(indices regenerated from the public seed, none sent; unbiased scaling).
+
+Body layouts (little-endian), after the common header:
+
+- topk:  ``u64 k, u64 varint_bytes`` | LEB128 gaps between sorted indices | float32 values
+- randk: ``u64 k`` | float32 values of the k regenerated indices (unscaled; decode
+  multiplies by numel / k)
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import numpy as np
+import torch
+
+from fedcomp.codecs.base import Codec, header_for, register
+from fedcomp.codecs.blocks import check_finite, expect_length
+from fedcomp.codecs.packing import decode_varints, encode_varints
+from fedcomp.codecs.wire import Payload, PayloadError
+
+_TOPK = struct.Struct("<QQ")
+_RANDK = struct.Struct("<Q")
+
+
+def _check_size(fraction: float | None, k: int | None, codec: str) -> None:
+    if (fraction is None) == (k is None):
+        raise ValueError(f"{codec}: give exactly one of fraction and k")
+    if fraction is not None and not (isinstance(fraction, int | float) and 0 < fraction <= 1):
+        raise ValueError(f"{codec}: fraction must be in (0, 1], got {fraction!r}")
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+        raise ValueError(f"{codec}: k must be a positive integer, got {k!r}")
+
+
+def kept(numel: int, fraction: float | None, k: int | None) -> int:
+    """How many coordinates a tensor of ``numel`` elements keeps (at least one)."""
+    if numel == 0:
+        return 0
+    wanted = k if k is not None else math.ceil(fraction * numel)
+    return max(1, min(numel, wanted))
+
+
+def _values_bytes(values: torch.Tensor) -> bytes:
+    return values.to(torch.float32).numpy().astype("<f4").tobytes()
+
+
+def _read_values(body: memoryview, offset: int, count: int) -> torch.Tensor:
+    values = np.frombuffer(body[offset : offset + 4 * count], dtype="<f4").copy()
+    if not np.isfinite(values).all():
+        raise PayloadError("non-finite values in a sparse payload")
+    return torch.from_numpy(values)
+
+
+def random_subset(seed: int, numel: int, k: int) -> np.ndarray:
+    """k distinct indices in [0, numel), uniform over k-subsets, sorted; O(k log k).
+
+    Draws with replacement from a counter-based generator and keeps first
+    occurrences in draw order (rejection of repeats), so the result is a uniform
+    k-subset and client and server regenerate it identically from the seed.
+    """
+    if not 0 <= k <= numel:
+        raise ValueError(f"cannot pick {k} of {numel} indices")
+    rng = np.random.Generator(np.random.Philox(seed))
+    draws = np.empty(0, dtype=np.int64)
+    unique_count = 0
+    while unique_count < k:
+        missing = k - unique_count
+        extra = rng.integers(0, numel, size=missing + missing // 8 + 16, dtype=np.int64)
+        draws = np.concatenate([draws, extra])
+        _, first = np.unique(draws, return_index=True)
+        unique_count = first.size
+    _, first = np.unique(draws, return_index=True)
+    return np.sort(draws[np.sort(first)[:k]])
+
+
+@register
+class TopKCodec(Codec):
+    """Keep the k largest-magnitude coordinates (biased; pair it with ``ef``)."""
+
+    codec_id = 7
+    name = "topk"
+    unbiased = False
+
+    def __init__(self, fraction: float | None = None, k: int | None = None) -> None:
+        if fraction is None and k is None:
+            fraction = 0.01
+        _check_size(fraction, k, self.name)
+        self.fraction, self.k = fraction, k
+
+    def spec(self) -> dict:
+        size = {"k": self.k} if self.k is not None else {"fraction": self.fraction}
+        return {"name": self.name, **size}
+
+    def nominal_bits(self, numel: int) -> float:
+        # 32 bits per value plus about one varint byte per index gap at these densities.
+        return kept(numel, self.fraction, self.k) * 40.0 / max(numel, 1)
+
+    def encode(self, x: torch.Tensor, *, seed: int = 0) -> Payload:
+        if not x.is_floating_point():
+            raise ValueError(f"topk codec needs a floating-point tensor, got {x.dtype}")
+        check_finite(x, self.name)
+        flat = x.detach().reshape(-1).to(torch.float32)
+        k = kept(flat.numel(), self.fraction, self.k)
+        idx = (
+            torch.topk(flat.abs(), k, sorted=False).indices.sort().values
+            if k
+            else flat.new_zeros(0, dtype=torch.int64)
+        )
+        idx_np = idx.numpy().astype(np.int64)
+        gaps = np.diff(idx_np, prepend=-1) - 1  # >= 0 for strictly increasing indices
+        varints = encode_varints(gaps)
+        body = _TOPK.pack(k, len(varints)) + varints + _values_bytes(flat[idx])
+        return Payload(header_for(self.codec_id, x), body)
+
+    @classmethod
+    def decode_payload(cls, payload: Payload) -> torch.Tensor:
+        h, body = payload.header, memoryview(payload.body)
+        if len(body) < _TOPK.size or not h.dtype.is_floating_point:
+            raise PayloadError("topk: body too short for its parameters")
+        k, nvar = _TOPK.unpack_from(body, 0)
+        n = h.numel
+        if k > n or (n and k == 0) or nvar > len(body):
+            raise PayloadError(f"topk: k={k} invalid for {n} elements")
+        expect_length(body, _TOPK.size + nvar + 4 * k, "topk")
+        gaps = decode_varints(body[_TOPK.size : _TOPK.size + nvar], k)
+        idx = np.cumsum(gaps.astype(np.float64) + 1) - 1  # float64: no uint64 wrap-around
+        if k and idx[-1] >= n:
+            raise PayloadError("topk: index beyond the tensor")
+        values = _read_values(body, _TOPK.size + nvar, k)
+        out = torch.zeros(n, dtype=torch.float32)
+        out[torch.from_numpy(idx.astype(np.int64))] = values
+        return out.reshape(h.shape).to(h.dtype)
+
+
+@register
+class RandKCodec(Codec):
+    """Keep k coordinates chosen by the public seed, scaled by numel / k (unbiased).
+
+    No index is sent: the server regenerates them from the seed in the header, which it
+    checks against the seed it derives from (run seed, round, stable id, tensor).
+    omega = numel / k - 1.
+    """
+
+    codec_id = 8
+    name = "randk"
+    unbiased = True
+    needs_seed = True
+
+    def __init__(self, fraction: float | None = None, k: int | None = None) -> None:
+        if fraction is None and k is None:
+            fraction = 0.01
+        _check_size(fraction, k, self.name)
+        self.fraction, self.k = fraction, k
+
+    def spec(self) -> dict:
+        size = {"k": self.k} if self.k is not None else {"fraction": self.fraction}
+        return {"name": self.name, **size}
+
+    def variance_factor(self, numel: int) -> float:
+        k = kept(numel, self.fraction, self.k)
+        return numel / k - 1 if k else 0.0
+
+    def nominal_bits(self, numel: int) -> float:
+        return kept(numel, self.fraction, self.k) * 32.0 / max(numel, 1)
+
+    def encode(self, x: torch.Tensor, *, seed: int) -> Payload:
+        if not x.is_floating_point():
+            raise ValueError(f"randk codec needs a floating-point tensor, got {x.dtype}")
+        check_finite(x, self.name)
+        flat = x.detach().reshape(-1).to(torch.float32)
+        k = kept(flat.numel(), self.fraction, self.k)
+        idx = torch.from_numpy(random_subset(seed, flat.numel(), k))
+        body = _RANDK.pack(k) + _values_bytes(flat[idx])
+        return Payload(header_for(self.codec_id, x, seed=seed), body)
+
+    @classmethod
+    def decode_payload(cls, payload: Payload) -> torch.Tensor:
+        h, body = payload.header, memoryview(payload.body)
+        if len(body) < _RANDK.size or not h.dtype.is_floating_point:
+            raise PayloadError("randk: body too short for its parameters")
+        (k,) = _RANDK.unpack_from(body, 0)
+        n = h.numel
+        if k > n or (n and k == 0):
+            raise PayloadError(f"randk: k={k} invalid for {n} elements")
+        expect_length(body, _RANDK.size + 4 * k, "randk")
+        values = _read_values(body, _RANDK.size, k)
+        out = torch.zeros(n, dtype=torch.float32)
+        if k:
+            idx = torch.from_numpy(random_subset(h.seed, n, k))
+            out[idx] = values * (n / k)
+        return out.reshape(h.shape).to(h.dtype)

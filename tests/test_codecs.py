@@ -1,0 +1,277 @@
+"""Every codec: round trips, real packed sizes, unbiasedness and variance bounds where
+claimed (tolerances derived from the measured variance), and clear errors."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fedcomp.codecs import PayloadError, codec_names, decode_bytes, make_codec
+from fedcomp.codecs.packing import (
+    decode_varints,
+    encode_varints,
+    pack_bits,
+    packed_size,
+    unpack_bits,
+)
+from fedcomp.codecs.sparse import random_subset
+
+SPECS = {
+    "fp32": {},
+    "fp16": {},
+    "bf16": {},
+    "uniform8": {"name": "uniform", "bits": 8, "block": 64},
+    "uniform4": {"name": "uniform", "bits": 4, "block": 64},
+    "uniform3": {"name": "uniform", "bits": 3, "block": 50},
+    "uniform1": {"name": "uniform", "bits": 1, "block": 64},
+    "qsgd16": {"name": "qsgd", "levels": 16, "block": 128},
+    "qsgd1": {"name": "qsgd", "levels": 1, "block": 128},
+    "sign": {"name": "sign", "block": 64},
+    "topk": {"name": "topk", "fraction": 0.1},
+    "randk": {"name": "randk", "fraction": 0.25},
+}
+
+
+def _codec(key: str):
+    spec = dict(SPECS[key])
+    return make_codec(spec.pop("name", key), **spec)
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+INPUTS = {
+    "matrix": lambda: torch.randn(33, 17, generator=_gen(0)),
+    "scalar": lambda: torch.tensor(-1.75),
+    "empty": lambda: torch.empty(0, 5),
+    "all_zero": lambda: torch.zeros(40),
+    "constant": lambda: torch.full((70,), 0.3),
+    "huge": lambda: torch.randn(50, generator=_gen(1)) * 1e30,
+    "tiny": lambda: torch.randn(50, generator=_gen(2)) * 1e-30,
+    "non_contiguous": lambda: torch.randn(20, 9, generator=_gen(3)).t(),
+    "fp16": lambda: torch.randn(65, generator=_gen(4)).half(),
+    "bf16": lambda: torch.randn(65, generator=_gen(5)).bfloat16(),
+}
+
+
+def test_every_registered_codec_is_covered() -> None:
+    covered = {SPECS[k].get("name", k) for k in SPECS} | {"raw"}
+    assert covered == set(codec_names())
+
+
+@pytest.mark.parametrize("key", sorted(SPECS))
+@pytest.mark.parametrize("kind", sorted(INPUTS))
+def test_roundtrip_keeps_shape_and_dtype(key: str, kind: str) -> None:
+    x = INPUTS[kind]()
+    codec = _codec(key)
+    if key == "fp16" and kind == "huge":
+        with pytest.raises(ValueError, match="overflow"):
+            codec.encode(x, seed=1)
+        return
+    payload = codec.encode(x, seed=11)
+    y = codec.decode(payload)
+    z = decode_bytes(bytes(payload))
+    assert y.shape == x.shape == z.shape and y.dtype == x.dtype == z.dtype
+    assert torch.equal(y, z)
+    assert torch.isfinite(y).all()
+    if kind in ("all_zero", "empty"):
+        assert torch.equal(y, torch.zeros_like(x))
+    if kind == "constant" and not key.startswith(("qsgd", "topk", "randk")):
+        # max|x|- and mean|x|-scaled codes put a constant block exactly on a level.
+        assert torch.allclose(y, x, rtol=1e-2)
+
+
+@pytest.mark.parametrize("key", sorted(SPECS))
+def test_same_seed_same_bytes(key: str) -> None:
+    x = INPUTS["matrix"]()
+    codec = _codec(key)
+    assert bytes(codec.encode(x, seed=5)) == bytes(codec.encode(x, seed=5))
+
+
+@pytest.mark.parametrize("key", ["uniform4", "qsgd16", "randk"])
+def test_different_seeds_draw_differently(key: str) -> None:
+    x = INPUTS["matrix"]()
+    codec = _codec(key)
+    assert bytes(codec.encode(x, seed=5)) != bytes(codec.encode(x, seed=6))
+
+
+def _layout_size(key: str, x: torch.Tensor) -> int:
+    """The packed size from each codec's documented layout, computed independently."""
+    n, header = x.numel(), 16 + 4 * x.dim()
+    spec = SPECS[key]
+    name = spec.get("name", key)
+    if name == "fp32":
+        return header + 4 * n
+    if name in ("fp16", "bf16"):
+        return header + 2 * n
+    if name == "uniform":
+        return header + 6 + 4 * math.ceil(n / spec["block"]) + math.ceil(n * spec["bits"] / 8)
+    if name == "qsgd":
+        width = math.ceil(math.log2(2 * spec["levels"] + 1))
+        return header + 6 + 4 * math.ceil(n / spec["block"]) + math.ceil(n * width / 8)
+    if name == "sign":
+        return header + 4 + 4 * math.ceil(n / spec["block"]) + math.ceil(n / 8)
+    if name == "randk":
+        return header + 8 + 4 * max(1, math.ceil(spec["fraction"] * n))
+    raise AssertionError(name)
+
+
+@pytest.mark.parametrize("key", [k for k in sorted(SPECS) if k != "topk"])
+@pytest.mark.parametrize("shape", [(1000,), (37, 29), (3,)])
+def test_codec_bytes_equal_the_packed_layout(key: str, shape: tuple[int, ...]) -> None:
+    x = torch.randn(*shape, generator=_gen(7))
+    assert len(bytes(_codec(key).encode(x, seed=3))) == _layout_size(key, x)
+
+
+@pytest.mark.parametrize("key", sorted(SPECS))
+def test_large_tensors_are_within_two_percent_of_nominal(key: str) -> None:
+    x = torch.randn(200_000, generator=_gen(8))
+    codec = _codec(key)
+    header = 16 + 4
+    measured_bits = 8 * (len(bytes(codec.encode(x, seed=1))) - header) / x.numel()
+    nominal = codec.nominal_bits(x.numel())
+    # topk's nominal assumes one varint byte per gap; everything else is exact layout.
+    assert abs(measured_bits - nominal) <= 0.02 * nominal + 64 / x.numel()
+
+
+def test_topk_keeps_the_largest_and_codes_indices_compactly() -> None:
+    x = torch.randn(10_000, generator=_gen(9))
+    payload = make_codec("topk", k=100).encode(x, seed=0)
+    y = decode_bytes(bytes(payload))
+    expected = torch.zeros_like(x)
+    top = x.abs().topk(100).indices
+    expected[top] = x[top]
+    assert torch.equal(y, expected)
+    index_bytes = int.from_bytes(payload.body[8:16], "little")
+    assert index_bytes < 2 * 100  # about one byte per gap at this density, not 8
+
+
+def test_random_subset_is_uniform_distinct_and_reproducible() -> None:
+    n, k, trials = 50, 10, 4000
+    counts = np.zeros(n)
+    for seed in range(trials):
+        idx = random_subset(seed, n, k)
+        assert idx.size == k and np.all(np.diff(idx) > 0) and idx.max() < n
+        counts[idx] += 1
+    assert np.array_equal(random_subset(17, n, k), random_subset(17, n, k))
+    # Each index is picked with probability k/n: a chi-square test at about 5 sigma.
+    expected = trials * k / n
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    dof = n - 1
+    assert chi2 < dof + 5 * math.sqrt(2 * dof)
+
+
+UNBIASED = ["fp32", "uniform8", "uniform4", "uniform3", "uniform1", "qsgd16", "qsgd1", "randk"]
+
+
+def _monte_carlo(key: str, x: torch.Tensor, draws: int) -> tuple[torch.Tensor, float]:
+    codec = _codec(key)
+    total = torch.zeros_like(x, dtype=torch.float64)
+    err = 0.0
+    for seed in range(draws):
+        y = codec.decode(codec.encode(x, seed=1000 + seed)).to(torch.float64)
+        total += y
+        err += float(((y - x.double()) ** 2).sum())
+    return total / draws, err / draws
+
+
+@pytest.mark.parametrize("key", UNBIASED)
+def test_unbiased_codecs_average_to_the_input(key: str) -> None:
+    x = torch.randn(400, generator=_gen(10)) * torch.linspace(0.01, 3, 400)
+    draws = 300
+    mean, per_draw_err = _monte_carlo(key, x, draws)
+    # Without bias E||mean - x||^2 = E||Q(x) - x||^2 / draws; chi-square concentration
+    # over 400 coordinates makes 2x a > 5-sigma margin. A bias b adds ||b||^2.
+    bias2 = float(((mean - x.double()) ** 2).sum())
+    assert bias2 <= 2.0 * per_draw_err / draws + 1e-12
+
+
+@pytest.mark.parametrize("key", ["sign", "topk"])
+def test_the_unbiasedness_check_catches_biased_codecs(key: str) -> None:
+    x = torch.randn(400, generator=_gen(10)) * torch.linspace(0.01, 3, 400)
+    mean, per_draw_err = _monte_carlo(key, x, 30)
+    bias2 = float(((mean - x.double()) ** 2).sum())
+    assert bias2 > 2.0 * per_draw_err / 30
+
+
+@pytest.mark.parametrize("key", UNBIASED)
+def test_error_respects_the_variance_factor(key: str) -> None:
+    x = torch.randn(512, generator=_gen(11)) * torch.linspace(0.01, 3, 512)
+    codec = _codec(key)
+    _, per_draw_err = _monte_carlo(key, x, 200)
+    omega = codec.variance_factor(x.numel())
+    # The bound holds in expectation; 200 draws leave a few percent of noise.
+    assert per_draw_err <= 1.1 * omega * float((x.double() ** 2).sum()) + 1e-12
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "needle"),
+    [
+        ("uniform", {"bits": 0}, "bits"),
+        ("uniform", {"bits": 9}, "bits"),
+        ("uniform", {"block": 0}, "block"),
+        ("qsgd", {"levels": 0}, "levels"),
+        ("qsgd", {"levels": 500}, "levels"),
+        ("sign", {"block": -4}, "block"),
+        ("topk", {"fraction": 0.0}, "fraction"),
+        ("topk", {"fraction": 1.5}, "fraction"),
+        ("randk", {"k": 0}, "k must"),
+        ("randk", {"k": 3, "fraction": 0.1}, "exactly one"),
+    ],
+)
+def test_bad_parameters_are_rejected_at_construction(name: str, params: dict, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        make_codec(name, **params)
+
+
+@pytest.mark.parametrize("key", [k for k in sorted(SPECS) if k not in ("fp32", "fp16", "bf16")])
+def test_nan_updates_are_refused_at_encode(key: str) -> None:
+    x = torch.randn(10)
+    x[3] = math.nan
+    with pytest.raises(ValueError, match="NaN"):
+        _codec(key).encode(x, seed=0)
+
+
+@pytest.mark.parametrize("key", sorted(SPECS))
+def test_every_truncation_and_extension_is_a_payload_error(key: str) -> None:
+    buf = bytes(_codec(key).encode(torch.randn(30, generator=_gen(12)), seed=2))
+    for cut in range(len(buf)):
+        with pytest.raises(PayloadError):
+            decode_bytes(buf[:cut])
+    with pytest.raises(PayloadError):
+        decode_bytes(buf + b"\x00")
+
+
+@pytest.mark.parametrize("key", ["uniform8", "qsgd16", "sign"])
+def test_nan_scale_in_a_payload_is_rejected(key: str) -> None:
+    payload = _codec(key).encode(torch.randn(30, generator=_gen(13)), seed=2)
+    body = bytearray(payload.body)
+    offset = 4 if key == "sign" else 6
+    body[offset : offset + 4] = np.array([np.nan], dtype="<f4").tobytes()
+    buf = bytes(payload)[: len(bytes(payload)) - len(payload.body)] + bytes(body)
+    with pytest.raises(PayloadError, match="scales"):
+        decode_bytes(buf)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 8), st.lists(st.integers(0, 255), max_size=70))
+def test_bit_packing_roundtrip(bits: int, values: list[int]) -> None:
+    codes = np.array([v % (1 << bits) for v in values], dtype=np.uint8)
+    buf = pack_bits(codes, bits)
+    assert len(buf) == packed_size(codes.size, bits) == math.ceil(codes.size * bits / 8)
+    assert np.array_equal(unpack_bits(buf, codes.size, bits), codes)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 2**63 - 1), max_size=40))
+def test_varint_roundtrip(values: list[int]) -> None:
+    arr = np.array(values, dtype=np.uint64)
+    buf = encode_varints(arr)
+    assert len(buf) == sum(max(1, math.ceil(v.bit_length() / 7)) for v in values)
+    assert np.array_equal(decode_varints(buf, arr.size), arr)
