@@ -33,11 +33,14 @@ from flwr.clientapp.typing import ClientAppCallable
 from flwr.common.constant import ErrorCode
 
 from clients.identity import stable_id_of
-from fedcomp.codecs import Codec, TensorPolicy, make_codec, make_codec_from_spec
+from clients.memory_state import load_memory, store_memory
+from fedcomp.codecs import Codec, ErrorFeedback, TensorPolicy, make_codec, make_codec_from_spec
 from fedcomp.keys import (
+    KEY_ACK_ROUND,
     KEY_CODEC,
     KEY_EXPECTED_ID,
     KEY_NUM_EXAMPLES,
+    KEY_POLICY,
     KEY_PROTOCOL,
     KEY_ROUND,
     KEY_RUN_SEED,
@@ -124,7 +127,8 @@ class CompressionMod:
         try:
             codec = make_codec_from_spec(json.loads(str(config[KEY_CODEC])))
             stable_id = stable_id_of(ctxt)
-        except ValueError as exc:
+            self._policy(config)
+        except (ValueError, TypeError) as exc:
             return _precondition_error(msg, f"CompressionMod: {exc}")
         expected = config.get(KEY_EXPECTED_ID)
         if expected is not None and int(expected) != stable_id:
@@ -146,21 +150,31 @@ class CompressionMod:
 
         server_round = int(config[KEY_ROUND])
         run_seed = int(config[KEY_RUN_SEED])
+        policy = self._policy(config)
         deltas = {
             name: torch.from_numpy(np.asarray(local_record[name].numpy()))
             - torch.from_numpy(np.asarray(global_record[name].numpy()))
             for name in global_record.keys()
         }
         seeds = {name: derive_seed(run_seed, server_round, stable_id, name) for name in deltas}
+        memory = None
         t0 = time.perf_counter()
-        payloads = self._encode_all(codec, deltas, seeds)
+        if isinstance(codec, ErrorFeedback):
+            memory = load_memory(ctxt.state)
+            carried = memory.begin_round(
+                int(config.get(KEY_ACK_ROUND, -1)), json.dumps(codec.spec())
+            )
+            payloads, pending = self._encode_with_feedback(codec, policy, deltas, seeds, carried)
+            memory.stage(server_round, pending)
+        else:
+            payloads = self._encode_all(codec, policy, deltas, seeds)
         encode_s = time.perf_counter() - t0
 
         out_metrics = MetricRecord(dict(metrics))
         out_metrics[METRIC_ENCODE_S] = encode_s
         out_metrics[METRIC_CODEC_BYTES] = sum(len(b) for b in payloads.values())
         if self.measure_fp32_reference:
-            reference = self._encode_all(self._fp32, deltas, seeds)
+            reference = self._encode_all(self._fp32, policy, deltas, seeds)
             out_metrics[METRIC_FP32_CODEC_BYTES] = sum(len(b) for b in reference.values())
             out_metrics[METRIC_FP32_CONTENT_WIRE_BYTES] = content_wire_bytes(
                 payload_content(reference)
@@ -176,12 +190,49 @@ class CompressionMod:
         content = payload_content(payloads)
         content[RECORD_HEADER] = header
         content["metrics"] = out_metrics
-        return Message(content, reply_to=msg)
+        reply = Message(content, reply_to=msg)
+        if memory is not None:
+            store_memory(ctxt.state, memory)  # last: nothing after this can fail
+        return reply
 
+    def _policy(self, config: ConfigRecord) -> TensorPolicy:
+        if KEY_POLICY not in config:
+            return self.policy
+        return TensorPolicy(**json.loads(str(config[KEY_POLICY])))
+
+    @staticmethod
     def _encode_all(
-        self, codec: Codec, deltas: dict[str, torch.Tensor], seeds: dict[str, int]
+        codec: Codec,
+        policy: TensorPolicy,
+        deltas: dict[str, torch.Tensor],
+        seeds: dict[str, int],
     ) -> dict[str, bytes]:
         return {
-            name: bytes(self.policy.codec_for(delta, codec).encode(delta, seed=seeds[name]))
+            name: bytes(policy.codec_for(delta, codec).encode(delta, seed=seeds[name]))
             for name, delta in deltas.items()
         }
+
+    @staticmethod
+    def _encode_with_feedback(
+        memory: ErrorFeedback,
+        policy: TensorPolicy,
+        deltas: dict[str, torch.Tensor],
+        seeds: dict[str, int],
+        carried: dict[str, np.ndarray],
+    ) -> tuple[dict[str, bytes], dict[str, np.ndarray]]:
+        """Encode with error feedback on the tensors the policy compresses."""
+        payloads, pending = {}, {}
+        for name, delta in deltas.items():
+            codec = policy.codec_for(delta, memory.inner)
+            if codec is not memory.inner:  # raw tensors carry no error
+                payloads[name] = bytes(codec.encode(delta, seed=seeds[name]))
+                continue
+            residual = carried.get(name)
+            if residual is not None and residual.shape != tuple(delta.shape):
+                residual = None  # the model changed shape: start this tensor afresh
+            payload, new_residual = memory.encode(
+                delta, None if residual is None else torch.from_numpy(residual), seed=seeds[name]
+            )
+            payloads[name] = bytes(payload)
+            pending[name] = new_residual.numpy()
+        return payloads, pending

@@ -21,6 +21,11 @@ KEY_TASK = "fedcomp.task"
 KEY_PROTOCOL = "fedcomp.protocol"
 #: The stable id the server believes this node has (checked by the client).
 KEY_EXPECTED_ID = "fedcomp.expected-id"
+#: Last round whose reply from THIS client the server accepted (-1: none). The client
+#: commits the state that reply produced only when it sees this acknowledgement.
+KEY_ACK_ROUND = "fedcomp.ack-round"
+#: JSON-encoded tensor policy, e.g. ``{"min_numel": 256}``.
+KEY_POLICY = "fedcomp.policy"
 #: Query kind for first-contact identity queries.
 KEY_QUERY = "fedcomp.query"
 QUERY_IDENTITY = "identity"

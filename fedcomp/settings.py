@@ -82,6 +82,13 @@ class TrainSettings:
 
 
 @dataclass
+class PolicySettings:
+    """Tensors with fewer elements than ``min_numel`` (and integer buffers) travel raw."""
+
+    min_numel: int = 256
+
+
+@dataclass
 class AggregationSettings:
     """How decoded client updates reach the inner Flower strategy."""
 
@@ -112,6 +119,7 @@ class Settings:
     train: TrainSettings = field(default_factory=TrainSettings)
     #: Codec spec: ``name`` plus the codec's own parameters (checked by make_codec).
     codec: dict[str, Any] = field(default_factory=lambda: {"name": "fp32"})
+    policy: PolicySettings = field(default_factory=PolicySettings)
     #: Strategy spec: ``name`` plus the Flower strategy's keyword arguments.
     strategy: dict[str, Any] = field(default_factory=lambda: {"name": "fedavg"})
     #: Fractions of the known clients sampled per round (by the wrapper, seeded).
@@ -260,6 +268,8 @@ def validate(settings: Settings) -> Settings:
         _fail("train.momentum", s.train.momentum, "must be in [0, 1)")
     if "name" not in s.codec:
         _fail("codec", s.codec, "a codec spec needs a 'name'")
+    if s.policy.min_numel < 0:
+        _fail("policy.min_numel", s.policy.min_numel, "must be >= 0")
     if "name" not in s.strategy:
         _fail("strategy", s.strategy, "a strategy spec needs a 'name'")
     _check_choice("strategy.name", s.strategy["name"], STRATEGIES)

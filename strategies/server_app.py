@@ -16,6 +16,7 @@ import torch
 from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
+from fedcomp.codecs import TensorPolicy
 from fedcomp.data import server_test_set
 from fedcomp.models import build_model
 from fedcomp.results import build_results, write_results
@@ -67,6 +68,7 @@ def run_server(
         fraction_evaluate=settings.fraction_evaluate,
         handoff=settings.aggregation.handoff,
         task=client_task(settings),
+        policy=TensorPolicy(min_numel=settings.policy.min_numel),
         identity_timeout=settings.simulation.round_timeout,
         on_round=on_round,
     )

@@ -18,6 +18,7 @@ real message, up and down, and reports them per round.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -52,6 +53,7 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from fedcomp.codecs import (
     PayloadError,
+    TensorPolicy,
     codec_class_by_id,
     decode_bytes,
     make_codec_from_spec,
@@ -59,9 +61,11 @@ from fedcomp.codecs import (
 )
 from fedcomp.codecs.wire import DTYPE_CODES
 from fedcomp.keys import (
+    KEY_ACK_ROUND,
     KEY_CODEC,
     KEY_EXPECTED_ID,
     KEY_NUM_EXAMPLES,
+    KEY_POLICY,
     KEY_PROTOCOL,
     KEY_ROUND,
     KEY_RUN_SEED,
@@ -114,6 +118,7 @@ class _RoundState:
     sent: dict[int, Message] = field(default_factory=dict)
     record: dict[str, Any] = field(default_factory=dict)
     per_client: dict[int, dict[str, Any]] = field(default_factory=dict)
+    tensor_codecs: dict[str, str] = field(default_factory=dict)
 
 
 def _torch_dtype(array: np.ndarray) -> torch.dtype:
@@ -152,6 +157,8 @@ class CompressedStrategy(Strategy):
         How decoded updates reach the inner strategy (see module docstring).
     task : Mapping, optional
         Settings the example ClientApp needs, sent JSON-encoded in every config.
+    policy : TensorPolicy, optional
+        Which tensors travel raw; sent to the clients (default: the mod's own).
     identity_timeout : float
         Seconds to wait for ``expected_nodes`` nodes to connect.
     on_round : callable, optional
@@ -169,6 +176,7 @@ class CompressedStrategy(Strategy):
         fraction_evaluate: float = 1.0,
         handoff: str = "per_client",
         task: Mapping[str, Any] | None = None,
+        policy: TensorPolicy | None = None,
         identity_timeout: float = 600.0,
         on_round: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
@@ -199,6 +207,12 @@ class CompressedStrategy(Strategy):
         self.fraction_evaluate = fraction_evaluate
         self.handoff = handoff
         self.task_json = json.dumps(dict(task), sort_keys=True) if task is not None else None
+        self.policy_json = (
+            json.dumps(dataclasses.asdict(policy), sort_keys=True) if policy is not None else None
+        )
+        #: Last round whose reply each client (stable id) had accepted: the ack that
+        #: lets a client commit the state that reply produced.
+        self.accepted_round: dict[int, int] = {}
         self.identity_timeout = identity_timeout
         self.on_round = on_round
 
@@ -279,6 +293,9 @@ class CompressedStrategy(Strategy):
             config[KEY_EXPECTED_ID] = sid
             if kind == MessageType.TRAIN:
                 config[KEY_CODEC] = self.codec_json
+                config[KEY_ACK_ROUND] = self.accepted_round.get(sid, -1)
+                if self.policy_json is not None:
+                    config[KEY_POLICY] = self.policy_json
             if self.task_json is not None:
                 config[KEY_TASK] = self.task_json
             content = RecordDict({arrays_key: arrays, config_key: config})
@@ -365,6 +382,7 @@ class CompressedStrategy(Strategy):
             if delta.dtype.kind == "f" and not np.isfinite(delta).all():
                 raise ReplyError(f"{name}: non-finite values in the update")
             deltas[name] = delta
+            state.tensor_codecs.setdefault(name, codec_cls.name)
         return _Decoded(sid, deltas, float(weight), metrics, msg)
 
     def aggregate_train(
@@ -403,6 +421,7 @@ class CompressedStrategy(Strategy):
                 continue
             self._account_reply(row, item)
             decoded.append(item)
+            self.accepted_round[item.stable_id] = server_round
         decode_s = time.perf_counter() - t0
 
         decoded.sort(key=lambda d: d.stable_id)  # reply order never matters
@@ -574,6 +593,7 @@ class CompressedStrategy(Strategy):
                 "fp32_wire_bytes": sum(r["fp32_wire_bytes"] for r in measured),
                 "decoded_codec_bytes": sum(r["uplink_codec_bytes"] for r in measured),
                 "decoded_wire_bytes": sum(r["uplink_wire_bytes"] for r in measured),
+                "per_tensor": dict(state.tensor_codecs),
             },
         }
         self.rounds.append(record)

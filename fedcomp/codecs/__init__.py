@@ -28,19 +28,37 @@ from fedcomp.codecs.base import (
     codec_names,
     decode_bytes,
 )
+from fedcomp.codecs.memory import ErrorFeedback, Memory
 from fedcomp.codecs.policy import TensorPolicy
 from fedcomp.codecs.wire import Payload, PayloadError, PayloadHeader, parse_payload
 
+#: Memory names accepted by make_codec, with the inner codec given as ``inner=<name>``.
+MEMORIES = ("ef",)
 
-def make_codec(name: str, **params: Any) -> Codec:
-    """Build a codec by name, validating its parameters.
+
+def make_codec(name: str, **params: Any) -> Codec | ErrorFeedback:
+    """Build a codec (or a memory around one) by name, validating its parameters.
+
+    ``make_codec("ef", inner="sign", block=256)`` builds error feedback around
+    ``make_codec("sign", block=256)``.
 
     Raises
     ------
     ValueError
         On an unknown codec name or a parameter the codec does not take, naming it.
     """
-    cls = codec_class(name)
+    if name == "ef":
+        inner = params.pop("inner", None)
+        if not isinstance(inner, str) or inner in MEMORIES:
+            raise ValueError(f"ef needs inner=<codec name>, got inner={inner!r}")
+        return ErrorFeedback(make_codec(inner, **params))
+    try:
+        cls = codec_class(name)
+    except ValueError:
+        raise ValueError(
+            f"unknown codec {name!r}; known codecs: {', '.join(codec_names())}; "
+            f"memories: {', '.join(MEMORIES)}"
+        ) from None
     accepted = {
         pname
         for pname, param in inspect.signature(cls.__init__).parameters.items()
@@ -57,7 +75,7 @@ def make_codec(name: str, **params: Any) -> Codec:
     return cls(**params)
 
 
-def make_codec_from_spec(spec: Mapping[str, Any]) -> Codec:
+def make_codec_from_spec(spec: Mapping[str, Any]) -> Codec | ErrorFeedback:
     """Build a codec from a spec mapping such as ``{"name": "fp32"}``."""
     if "name" not in spec:
         raise ValueError(f"a codec spec needs a 'name', got {dict(spec)!r}")
@@ -67,6 +85,8 @@ def make_codec_from_spec(spec: Mapping[str, Any]) -> Codec:
 
 __all__ = [
     "Codec",
+    "ErrorFeedback",
+    "Memory",
     "Payload",
     "PayloadError",
     "PayloadHeader",

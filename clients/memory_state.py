@@ -1,0 +1,86 @@
+"""A client's memory state in ``Context.state``, with the commit-after-ack rule.
+
+The client keeps two copies: the COMMITTED state (what the server's view agrees with)
+and the PENDING state produced by the last reply. The server's next config to this
+client names the last round whose reply it accepted (``KEY_ACK_ROUND``); only then
+does the pending state become committed. A lost or rejected reply therefore loses
+nothing: its pending state is dropped and the committed one is used again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+
+STATE_COMMITTED = "fedcomp.memory.committed"
+STATE_PENDING = "fedcomp.memory.pending"
+STATE_META = "fedcomp.memory.meta"
+_NO_ROUND = -1
+
+
+@dataclass
+class MemoryState:
+    """One client's memory: committed and pending per-tensor arrays."""
+
+    spec: str = ""
+    committed: dict[str, np.ndarray] = field(default_factory=dict)
+    pending: dict[str, np.ndarray] = field(default_factory=dict)
+    pending_round: int = _NO_ROUND
+
+    def begin_round(self, ack_round: int, spec: str) -> dict[str, np.ndarray]:
+        """Apply the server's acknowledgement; return the state to encode against.
+
+        A different codec spec than the stored one starts from a clean state.
+        """
+        if spec != self.spec:
+            self.spec, self.committed = spec, {}
+        elif self.pending_round != _NO_ROUND and ack_round == self.pending_round:
+            self.committed = self.pending
+        self.pending, self.pending_round = {}, _NO_ROUND
+        return self.committed
+
+    def state_dict(self) -> dict[str, object]:
+        """A plain, serializable copy (for checkpoints)."""
+        return {
+            "spec": self.spec,
+            "committed": {k: v.copy() for k, v in self.committed.items()},
+            "pending": {k: v.copy() for k, v in self.pending.items()},
+            "pending_round": self.pending_round,
+        }
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        self.spec = str(state["spec"])
+        self.committed = {k: np.array(v) for k, v in dict(state["committed"]).items()}
+        self.pending = {k: np.array(v) for k, v in dict(state["pending"]).items()}
+        self.pending_round = int(state["pending_round"])
+
+    def stage(self, server_round: int, pending: dict[str, np.ndarray]) -> None:
+        """Remember the state this round's reply would lead to, until it is acked."""
+        self.pending, self.pending_round = pending, server_round
+
+
+def _arrays(record: ArrayRecord | None) -> dict[str, np.ndarray]:
+    return {} if record is None else {k: np.array(v.numpy()) for k, v in record.items()}
+
+
+def load_memory(state: RecordDict) -> MemoryState:
+    """Read the memory from ``Context.state`` (empty when absent)."""
+    meta = state.config_records.get(STATE_META)
+    if meta is None:
+        return MemoryState()
+    return MemoryState(
+        spec=str(meta["spec"]),
+        committed=_arrays(state.array_records.get(STATE_COMMITTED)),
+        pending=_arrays(state.array_records.get(STATE_PENDING)),
+        pending_round=int(meta["pending-round"]),
+    )
+
+
+def store_memory(state: RecordDict, memory: MemoryState) -> None:
+    """Write the memory into ``Context.state``; call it LAST in the mod (see
+    FLOWER_NOTES.md: deployment keeps state written before a failure)."""
+    state[STATE_COMMITTED] = ArrayRecord({k: Array(v) for k, v in memory.committed.items()})
+    state[STATE_PENDING] = ArrayRecord({k: Array(v) for k, v in memory.pending.items()})
+    state[STATE_META] = ConfigRecord({"spec": memory.spec, "pending-round": memory.pending_round})

@@ -1,0 +1,72 @@
+"""Memories: client state around a stateless codec.
+
+``ErrorFeedback`` (EF; GRACE calls it "residual memory") adds the error the codec made
+last time to this round's update before encoding, so a biased codec (sign, top-k)
+loses nothing in the long run: the sum of what the server decodes telescopes to the
+sum of the updates minus the current error.
+
+The server needs no state for EF (it decodes the inner codec's payload as usual);
+``reconstruct`` is the identity. State lives on the client, one explicit object per
+client, committed only once the server acknowledged the reply that carried it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fedcomp.codecs.base import Codec
+from fedcomp.codecs.wire import Payload
+
+
+class Memory:
+    """A stateful wrapper around a codec (the second codec shape of ARCHITECTURE.md)."""
+
+    name: str
+    inner: Codec
+
+    def spec(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class ErrorFeedback(Memory):
+    """Error feedback around any codec: send Q(x + e), keep e' = x + e - decode(Q(x + e)).
+
+    Parameters
+    ----------
+    inner : Codec
+        The codec that is fed back (typically ``sign`` or ``topk``).
+    """
+
+    name = "ef"
+
+    def __init__(self, inner: Codec) -> None:
+        if not isinstance(inner, Codec):
+            raise ValueError(f"ef: inner must be a codec, got {inner!r}")
+        self.inner = inner
+
+    def spec(self) -> dict[str, Any]:
+        inner = self.inner.spec()
+        return {"name": self.name, "inner": inner.pop("name"), **inner}
+
+    def encode(
+        self, x: torch.Tensor, residual: torch.Tensor | None, *, seed: int
+    ) -> tuple[Payload, torch.Tensor]:
+        """Encode ``x`` plus the carried error; return the payload and the new error.
+
+        Neither argument is modified: the caller commits the new error only once the
+        server has acknowledged the reply that carried this payload.
+        """
+        corrected = x.detach().to(torch.float32)
+        if residual is not None:
+            if residual.shape != x.shape:
+                raise ValueError(f"ef: residual shape {tuple(residual.shape)} != {tuple(x.shape)}")
+            corrected = corrected + residual
+        payload = self.inner.encode(corrected.to(x.dtype), seed=seed)
+        new_residual = corrected - self.inner.decode(payload).to(torch.float32)
+        return payload, new_residual
+
+    def reconstruct(self, decoded: torch.Tensor, state: Any = None) -> tuple[torch.Tensor, Any]:
+        """Server side: EF needs no server state, the decoded payload is the update."""
+        return decoded, state
