@@ -28,13 +28,14 @@ def pack_bits(codes: np.ndarray, bits: int) -> bytes:
         return codes.tobytes()
     if bits == 1:
         return np.packbits(codes).tobytes()
-    if 8 % bits == 0:  # 2 or 4 bits: several whole codes per byte
+    if 8 % bits == 0:  # 2 or 4 bits: several whole codes per byte, one strided pass each
         per = 8 // bits
         padded = np.zeros(packed_size(codes.size, bits) * per, dtype=np.uint8)
         padded[: codes.size] = codes
-        groups = padded.reshape(-1, per)
-        shifts = np.arange(per - 1, -1, -1, dtype=np.uint8) * bits
-        return np.bitwise_or.reduce(groups << shifts, axis=1).astype(np.uint8).tobytes()
+        out = padded[0::per] << np.uint8(8 - bits)
+        for j in range(1, per):
+            out |= padded[j::per] << np.uint8(8 - bits * (j + 1))
+        return out.tobytes()
     # 3, 5, 6, 7 bits: go through bit planes.
     planes = np.unpackbits(codes[:, None], axis=1)[:, 8 - bits :]
     return np.packbits(planes.reshape(-1)).tobytes()
@@ -54,9 +55,11 @@ def unpack_bits(buf: bytes | memoryview, n: int, bits: int) -> np.ndarray:
         return np.unpackbits(raw, count=n)
     if 8 % bits == 0:
         per = 8 // bits
-        shifts = np.arange(per - 1, -1, -1, dtype=np.uint8) * bits
         mask = np.uint8((1 << bits) - 1)
-        return ((raw[:, None] >> shifts) & mask).reshape(-1)[:n]
+        out = np.empty(raw.size * per, dtype=np.uint8)
+        for j in range(per):
+            out[j::per] = (raw >> np.uint8(8 - bits * (j + 1))) & mask
+        return out[:n]
     planes = np.unpackbits(raw, count=n * bits).reshape(n, bits)
     weights = (1 << np.arange(bits - 1, -1, -1)).astype(np.uint8)
     return (planes * weights).sum(axis=1, dtype=np.uint16).astype(np.uint8)

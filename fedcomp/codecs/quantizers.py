@@ -18,13 +18,17 @@ import torch
 
 from fedcomp.codecs.base import Codec, header_for, register
 from fedcomp.codecs.blocks import (
-    as_blocks,
     block_counts,
+    block_reduce,
     check_block,
-    check_finite,
-    dither,
+    check_finite_scales,
+    chunk_blocks,
+    chunks,
+    dither_range,
+    dithered_floor,
     expect_length,
     num_blocks,
+    private_generator,
     read_scales,
 )
 from fedcomp.codecs.packing import pack_bits, packed_size, unpack_bits
@@ -41,11 +45,6 @@ def _float_only(x: torch.Tensor, codec: str) -> None:
 
 def _scales_bytes(scales: torch.Tensor) -> bytes:
     return scales.to(torch.float32).numpy().astype("<f4").tobytes()
-
-
-def stochastic_round(t: torch.Tensor, seed: int) -> torch.Tensor:
-    """floor(t + u) with u ~ U(0, 1): E = t (up to the 16-bit dither resolution)."""
-    return t.add_(dither(seed, tuple(t.shape))).floor_()
 
 
 def _finish(values: torch.Tensor, numel: int, shape: tuple[int, ...], dtype: torch.dtype):
@@ -81,17 +80,28 @@ class UniformCodec(Codec):
 
     def encode(self, x: torch.Tensor, *, seed: int) -> Payload:
         _float_only(x, self.name)
-        check_finite(x, self.name)
         levels = 2**self.bits - 1
-        blocks = as_blocks(x, self.block)
-        scales = blocks.abs().amax(dim=1) if blocks.numel() else blocks.new_zeros(0)
+        flat = x.detach().reshape(-1).to(torch.float32)
+        scales = block_reduce(flat, self.block, "amax")
+        check_finite_scales(scales, self.name)
+        # t = (x + s) * levels / (2s) = x * inv + levels / 2 (zero blocks: t = levels / 2,
+        # which decodes to 0 since s = 0).
         inv = torch.where(scales > 0, levels / (2 * scales), torch.zeros_like(scales))
-        t = (blocks + scales[:, None]).mul_(inv[:, None])
-        codes = stochastic_round(t, seed).clamp_(0, levels).to(torch.uint8)
+        offset, top = dither_range(levels)
+        half = torch.tensor(levels / 2 + offset)
+        codes = torch.empty(flat.numel() + self.block, dtype=torch.uint8)
+        generator = private_generator(seed)
+        buffer = torch.empty(chunk_blocks(self.block) * self.block, dtype=torch.float32)
+        for first, chunk in chunks(flat, self.block):
+            t = buffer[: chunk.numel()].view(chunk.shape)
+            torch.addcmul(half, chunk, inv[first : first + chunk.shape[0], None], out=t)
+            t.clamp_(0, top)
+            begin = first * self.block
+            dithered_floor(t, generator, levels, codes[begin : begin + chunk.numel()])
         body = (
             _BITS_BLOCK.pack(self.bits, 0, self.block)
             + _scales_bytes(scales)
-            + pack_bits(codes.reshape(-1)[: x.numel()].numpy(), self.bits)
+            + pack_bits(codes[: x.numel()].numpy(), self.bits)
         )
         return Payload(header_for(self.codec_id, x), body)
 
@@ -147,18 +157,28 @@ class QSGDCodec(Codec):
 
     def encode(self, x: torch.Tensor, *, seed: int) -> Payload:
         _float_only(x, self.name)
-        check_finite(x, self.name)
-        blocks = as_blocks(x, self.block).to(torch.float64)  # norms of large blocks
-        norms = blocks.norm(dim=1) if blocks.numel() else blocks.new_zeros(0)
-        inv = torch.where(norms > 0, self.levels / norms, torch.zeros_like(norms))
-        t = (blocks.abs() * inv[:, None]).to(torch.float32)
-        level = stochastic_round(t, seed).clamp_(0, self.levels)
-        signed = torch.where(blocks < 0, -level, level) + self.levels
+        flat = x.detach().reshape(-1).to(torch.float32)
+        # Norms in float64: a float32 sum of squares of a large block can overflow.
+        norms = block_reduce(flat, self.block, "sumsq").sqrt()
+        check_finite_scales(norms, self.name)
+        inv = torch.where(norms > 0, self.levels / norms, torch.zeros_like(norms)).float()
+        offset, top = dither_range(self.levels)
+        codes = torch.empty(flat.numel() + self.block, dtype=torch.uint8)
+        generator = private_generator(seed)
+        for first, chunk in chunks(flat, self.block):
+            t = chunk.abs().mul_(inv[first : first + chunk.shape[0], None])
+            t.add_(offset).clamp_(0, top)
+            level = torch.empty(chunk.numel(), dtype=torch.uint8)
+            dithered_floor(t, generator, self.levels, level)
+            # Code = signed level + levels, in [0, 2 levels].
+            signed = torch.where(torch.signbit(chunk.reshape(-1)), -level.to(torch.int16), level)
+            begin = first * self.block
+            codes[begin : begin + chunk.numel()] = (signed + self.levels).to(torch.uint8)
         width = _qsgd_width(self.levels)
         body = (
             _BITS_BLOCK.pack(self.levels, 0, self.block)
             + _scales_bytes(norms)
-            + pack_bits(signed.to(torch.uint8).reshape(-1)[: x.numel()].numpy(), width)
+            + pack_bits(codes[: x.numel()].numpy(), width)
         )
         return Payload(header_for(self.codec_id, x), body)
 
@@ -204,11 +224,10 @@ class SignCodec(Codec):
 
     def encode(self, x: torch.Tensor, *, seed: int = 0) -> Payload:
         _float_only(x, self.name)
-        check_finite(x, self.name)
-        blocks = as_blocks(x, self.block)
-        counts = block_counts(x.numel(), self.block)
-        scales = blocks.abs().sum(dim=1) / counts if blocks.numel() else blocks.new_zeros(0)
-        negative = (x.detach().reshape(-1) < 0).numpy()
+        flat = x.detach().reshape(-1).to(torch.float32)
+        scales = block_reduce(flat, self.block, "abssum") / block_counts(x.numel(), self.block)
+        check_finite_scales(scales, self.name)
+        negative = torch.signbit(flat).numpy()
         body = _BLOCK.pack(self.block) + _scales_bytes(scales) + np.packbits(negative).tobytes()
         return Payload(header_for(self.codec_id, x), body)
 
