@@ -31,6 +31,10 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow -q
 
+## bench: codec and server benchmarks; writes experiments/results/bench_codecs.md
+bench: $(STAMP)
+	$(PY) -m experiments.bench_codecs --out experiments/results/bench_codecs.md
+
 lint: $(STAMP)
 	$(PY) -m ruff check .
 

@@ -51,6 +51,7 @@ from flwr.serverapp.strategy import (
 )
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
+from fedcomp.aggregate import weighted_mean
 from fedcomp.codecs import (
     PayloadError,
     TensorPolicy,
@@ -484,12 +485,7 @@ class CompressedStrategy(Strategy):
             ]
         else:
             total = sum(d.weight for d in decoded)
-            mean: dict[str, np.ndarray] = {}
-            for d in decoded:  # float32 sum in stable-id order, Flower's weighting
-                factor = d.weight / total
-                for name, delta in d.deltas.items():
-                    term = delta * factor if delta.dtype.kind == "f" else delta
-                    mean[name] = term if name not in mean else mean[name] + term
+            mean = weighted_mean([d.deltas for d in decoded], [d.weight for d in decoded])
             metrics = aggregate_metricrecords(
                 [RecordDict({"metrics": self._client_metrics(d)}) for d in decoded],
                 KEY_NUM_EXAMPLES,

@@ -6,6 +6,7 @@ carry the whole path; everything else is tested in-process."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import time
@@ -128,3 +129,34 @@ def test_multirun_writes_one_valid_results_file_per_run_and_report_matches(
     )
     lines = out.stdout.strip().splitlines()
     assert lines[0].startswith("| seed | partition.alpha |") and len(lines) == 2 + 4
+
+
+def _layout_bytes(spec: dict, shape: tuple[int, ...]) -> int:
+    """Expected payload size of one tensor from the documented layouts and the policy."""
+    n, header = math.prod(shape), 16 + 4 * len(shape)
+    if n < 256:  # the default tensor policy: small tensors travel raw
+        return header + 4 * n
+    if spec["name"] == "uniform":
+        return header + 6 + 4 * math.ceil(n / spec["block"]) + math.ceil(n * spec["bits"] / 8)
+    if spec["name"] == "randk":
+        return header + 8 + 4 * max(1, math.ceil(spec["fraction"] * n))
+    raise AssertionError(spec)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [{"name": "uniform", "bits": 4, "block": 256}, {"name": "randk", "fraction": 0.05}],
+    ids=["uniform4", "randk"],
+)
+def test_compressed_simulation_records_the_real_payload_sizes(spec: dict) -> None:
+    settings = settings_from_dict({"num_clients": 3, "num_rounds": 3, "codec": spec})
+    results = simulate(settings)
+    model = build_model(settings.model, settings.dataset.name, settings.seed)
+    expected = sum(_layout_bytes(spec, tuple(p.shape)) for p in model.state_dict().values())
+    for rnd in results["rounds"]:
+        assert (rnd["replied"], rnd["failures"]) == (3, 0)
+        for row in rnd["per_client"]:
+            assert row["uplink_codec_bytes"] == expected == row["client_codec_bytes"]
+            assert row["uplink_wire_bytes"] > row["uplink_codec_bytes"]
+    assert results["summary"]["ratio_vs_fp32_codec"] > 4
+    assert results["summary"]["final_accuracy"] > results["summary"]["initial_accuracy"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from fedcomp.codecs.base import Codec, header_for, register
@@ -16,7 +17,9 @@ def tensor_to_bytes(x: torch.Tensor) -> bytes:
     return flat.view(torch.uint8).numpy().tobytes()
 
 
-def bytes_to_tensor(body: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+def bytes_to_tensor(
+    body: bytes | memoryview, dtype: torch.dtype, shape: tuple[int, ...]
+) -> torch.Tensor:
     """Inverse of :func:`tensor_to_bytes`; checks the size before building anything."""
     storage_dtype = torch.uint8 if dtype == torch.bool else dtype
     itemsize = torch.empty((), dtype=storage_dtype).element_size()
@@ -29,8 +32,8 @@ def bytes_to_tensor(body: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> 
         )
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
-    flat = torch.frombuffer(bytearray(body), dtype=torch.uint8).view(storage_dtype)
-    out = flat.reshape(shape).clone()
+    raw = np.frombuffer(body, dtype=np.uint8).copy()  # the one copy: out of the message
+    out = torch.from_numpy(raw).view(storage_dtype).reshape(shape)
     return out.to(torch.bool) if dtype == torch.bool else out
 
 

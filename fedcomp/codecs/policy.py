@@ -19,7 +19,7 @@ class TensorPolicy:
     fixed per-message overhead, and integer counters must stay exact.
     """
 
-    min_numel: int = 0
+    min_numel: int = 256
 
     def __post_init__(self) -> None:
         if self.min_numel < 0:

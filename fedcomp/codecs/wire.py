@@ -86,10 +86,11 @@ class Payload:
     """A packed, self-describing encoding of one tensor: header + body bytes."""
 
     header: PayloadHeader
-    body: bytes
+    #: The body; a zero-copy memoryview into the received buffer after parsing.
+    body: bytes | memoryview
 
     def __bytes__(self) -> bytes:
-        return self.header.pack() + self.body
+        return self.header.pack() + bytes(self.body)
 
     def __len__(self) -> int:
         return HEADER_FIXED_BYTES + 4 * len(self.header.shape) + len(self.body)
@@ -125,4 +126,4 @@ def parse_payload(buf: bytes | bytearray | memoryview) -> Payload:
         raise PayloadError(f"truncated payload: shape needs {end} bytes, got {len(view)}")
     shape = struct.unpack_from(f"<{ndim}I", view, HEADER_FIXED_BYTES)
     header = PayloadHeader(codec_id=codec_id, dtype=CODE_DTYPES[dtype_code], shape=shape, seed=seed)
-    return Payload(header=header, body=bytes(view[end:]))
+    return Payload(header=header, body=view[end:])

@@ -1,0 +1,57 @@
+"""Server-side reduction of decoded client updates (pure numpy, no flwr).
+
+The reduction-tree issue generalizes this to variance-aware trees and low precision;
+for now it is Flower's FedAvg weighting done in a FIXED order (the caller passes the
+updates sorted by stable client id), so the result never depends on reply order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+
+
+def weighted_mean(
+    updates: Sequence[Mapping[str, np.ndarray]], weights: Sequence[float]
+) -> dict[str, np.ndarray]:
+    """sum_i (w_i / W) x_i per tensor, accumulated in the tensors' own dtype, in order.
+
+    Like Flower's ``aggregate_arrayrecords`` (factor w_i / W first, then a running
+    sum), but each step ``acc + factor * x`` is one fused torch pass instead of a
+    product and a sum: one memory pass per client, and one rounding per step where
+    Flower has two. With one update the result is that update, exactly.
+    Integer tensors (counters such as ``num_batches_tracked``) are averaged in float64
+    and rounded back to their dtype, where Flower would silently turn them into floats.
+
+    Raises
+    ------
+    ValueError
+        On no updates, mismatched lengths, or weights that are not positive and finite.
+    """
+    if not updates:
+        raise ValueError("weighted_mean needs at least one update")
+    if len(updates) != len(weights):
+        raise ValueError(f"{len(updates)} updates but {len(weights)} weights")
+    if any(not np.isfinite(w) or w <= 0 for w in weights):
+        raise ValueError(f"weights must be positive and finite, got {list(weights)!r}")
+    total = float(sum(weights))
+    mean: dict[str, torch.Tensor] = {}
+    for update, weight in zip(updates, weights, strict=True):
+        factor = weight / total
+        for name, value in update.items():
+            x = torch.from_numpy(value if value.flags.c_contiguous else value.copy())
+            if value.dtype.kind != "f":
+                x = x.to(torch.float64)
+            if name in mean:
+                mean[name].add_(x, alpha=factor)
+            else:
+                mean[name] = x * factor
+    first = updates[0]
+    return {
+        name: value.numpy()
+        if first[name].dtype.kind == "f"
+        else np.rint(value.numpy()).astype(first[name].dtype)
+        for name, value in mean.items()
+    }
