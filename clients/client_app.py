@@ -65,10 +65,11 @@ def make_client_app(
 ) -> ClientApp:
     """Build the example ClientApp with the compression mod outermost.
 
-    ``inner_mods`` run inside the compression mod, so they see the dense reply
-    (e.g. Flower's ``fixedclipping_mod`` for client-side DP clipping).
+    ``inner_mods`` wrap the train handler only, inside the compression mod, so they
+    see the dense reply (e.g. Flower's ``fixedclipping_mod`` for client-side DP
+    clipping, which expects a model in every message it sees).
     """
-    app = ClientApp(mods=[CompressionMod(policy), *(inner_mods or [])])
+    app = ClientApp(mods=[CompressionMod(policy)])
 
     @app.query()
     def query(msg: Message, context: Context) -> Message:
@@ -78,7 +79,7 @@ def make_client_app(
         identity = ConfigRecord({KEY_STABLE_ID: stable_id_of(context)})
         return Message(RecordDict({RECORD_IDENTITY: identity}), reply_to=msg)
 
-    @app.train()
+    @app.train(mods=list(inner_mods or []))
     def train(msg: Message, context: Context) -> Message:
         torch.set_num_threads(1)  # Ray runs one client per core; more threads oversubscribe
         task = _task(msg)

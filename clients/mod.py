@@ -34,7 +34,14 @@ from flwr.common.constant import ErrorCode
 
 from clients.identity import stable_id_of
 from clients.memory_state import load_memory, store_memory
-from fedcomp.codecs import Codec, ErrorFeedback, TensorPolicy, make_codec, make_codec_from_spec
+from fedcomp.codecs import (
+    Codec,
+    ErrorFeedback,
+    TensorPolicy,
+    decode_bytes,
+    make_codec,
+    make_codec_from_spec,
+)
 from fedcomp.keys import (
     KEY_ACK_ROUND,
     KEY_CODEC,
@@ -49,6 +56,7 @@ from fedcomp.keys import (
     METRIC_ENCODE_S,
     METRIC_FP32_CODEC_BYTES,
     METRIC_FP32_CONTENT_WIRE_BYTES,
+    METRIC_REL_ERROR,
     PROTOCOL_VERSION,
     RECORD_HEADER,
     RECORD_PAYLOAD,
@@ -75,6 +83,16 @@ def content_wire_bytes(content: RecordDict) -> int:
     return sum(len(obj.deflate()) for obj in get_all_nested_objects(content).values())
 
 
+def relative_error(payloads: dict[str, bytes], inputs: dict[str, torch.Tensor]) -> float:
+    """sum ||decode(payload) - x||^2 / sum ||x||^2, in float64 (0 for an all-zero input)."""
+    num = den = 0.0
+    for name, x in inputs.items():
+        reference = x.to(torch.float64)
+        num += float(((decode_bytes(payloads[name]).to(torch.float64) - reference) ** 2).sum())
+        den += float((reference**2).sum())
+    return num / den if den > 0 else 0.0
+
+
 def _packed(payload: bytes) -> Array:
     """A raw uint8 Array: no np.save header, the bytes travel as they are."""
     return Array(dtype="uint8", shape=(len(payload),), stype="raw", data=payload)
@@ -99,13 +117,21 @@ class CompressionMod:
     measure_fp32_reference : bool (default: True)
         Also measure the fp32 codec's bytes on the same tensors, the denominator
         of the reported compression ratios (costs one extra dense serialization).
+    measure_error : bool (default: True)
+        Report the codec's relative error sum ||decode(q) - x||^2 / sum ||x||^2 over
+        the encoded tensors (costs one decode).
     """
 
     def __init__(
-        self, policy: TensorPolicy | None = None, *, measure_fp32_reference: bool = True
+        self,
+        policy: TensorPolicy | None = None,
+        *,
+        measure_fp32_reference: bool = True,
+        measure_error: bool = True,
     ) -> None:
         self.policy = policy or TensorPolicy()
         self.measure_fp32_reference = measure_fp32_reference
+        self.measure_error = measure_error
         self._fp32 = make_codec("fp32")
 
     def __call__(self, msg: Message, ctxt: Context, call_next: ClientAppCallable) -> Message:
@@ -158,6 +184,9 @@ class CompressionMod:
         }
         seeds = {name: derive_seed(run_seed, server_round, stable_id, name) for name in deltas}
         memory = None
+        inputs = deltas  # what the codec was asked to encode, for the error metric
+        carried: dict[str, np.ndarray] = {}
+        pending: dict[str, np.ndarray] = {}
         t0 = time.perf_counter()
         if isinstance(codec, ErrorFeedback):
             memory = load_memory(ctxt.state)
@@ -169,10 +198,19 @@ class CompressionMod:
         else:
             payloads = self._encode_all(codec, policy, deltas, seeds)
         encode_s = time.perf_counter() - t0
+        if memory is not None:  # EF encodes delta + carried error
+            inputs = {
+                n: d + torch.from_numpy(carried[n])
+                if n in pending and n in carried and carried[n].shape == tuple(d.shape)
+                else d
+                for n, d in deltas.items()
+            }
 
         out_metrics = MetricRecord(dict(metrics))
         out_metrics[METRIC_ENCODE_S] = encode_s
         out_metrics[METRIC_CODEC_BYTES] = sum(len(b) for b in payloads.values())
+        if self.measure_error:
+            out_metrics[METRIC_REL_ERROR] = relative_error(payloads, inputs)
         if self.measure_fp32_reference:
             reference = self._encode_all(self._fp32, policy, deltas, seeds)
             out_metrics[METRIC_FP32_CODEC_BYTES] = sum(len(b) for b in reference.values())

@@ -46,6 +46,8 @@ METRIC_ENCODE_S = "fedcomp.encode-s"
 METRIC_CODEC_BYTES = "fedcomp.codec-bytes"
 METRIC_FP32_CODEC_BYTES = "fedcomp.fp32-codec-bytes"
 METRIC_FP32_CONTENT_WIRE_BYTES = "fedcomp.fp32-content-wire-bytes"
+#: The codec's relative error on this client's update, measured by the client.
+METRIC_REL_ERROR = "fedcomp.codec-rel-error"
 
 #: Node-config keys a SuperNode may carry to name its stable id.
 NODE_CONFIG_STABLE_ID = "stable-id"

@@ -76,6 +76,7 @@ from fedcomp.keys import (
     METRIC_ENCODE_S,
     METRIC_FP32_CODEC_BYTES,
     METRIC_FP32_CONTENT_WIRE_BYTES,
+    METRIC_REL_ERROR,
     PROTOCOL_VERSION,
     RECORD_HEADER,
     RECORD_PAYLOAD,
@@ -444,6 +445,8 @@ class CompressedStrategy(Strategy):
         row["encode_s"] = float(item.metrics.get(METRIC_ENCODE_S, 0.0))
         row["num_examples"] = int(item.weight)
         row["client_codec_bytes"] = int(item.metrics.get(METRIC_CODEC_BYTES, -1))
+        if METRIC_REL_ERROR in item.metrics:
+            row["codec_rel_error"] = float(item.metrics[METRIC_REL_ERROR])
         if METRIC_FP32_CODEC_BYTES in item.metrics:
             payload_only_wire = wire_bytes(RecordDict({RECORD_PAYLOAD: payloads}))
             row["fp32_codec_bytes"] = int(item.metrics[METRIC_FP32_CODEC_BYTES])
@@ -590,6 +593,9 @@ class CompressedStrategy(Strategy):
                 "decoded_codec_bytes": sum(r["uplink_codec_bytes"] for r in measured),
                 "decoded_wire_bytes": sum(r["uplink_wire_bytes"] for r in measured),
                 "per_tensor": dict(state.tensor_codecs),
+                "client_rel_error_mean": _mean(
+                    [r["codec_rel_error"] for r in measured if "codec_rel_error" in r]
+                ),
             },
         }
         self.rounds.append(record)
@@ -619,6 +625,10 @@ def _short(reason: str, limit: int = 300) -> str:
     lines = [line.strip() for line in str(reason).splitlines() if line.strip()]
     text = lines[-1] if lines else ""
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
 
 
 def _human(num_bytes: int) -> str:

@@ -395,10 +395,25 @@ def test_every_codec_through_the_mod_and_the_wrapper(spec: dict) -> None:
     settings = settings_from_dict(
         {"num_clients": N, "num_rounds": 1, "fraction_evaluate": 0.0, "codec": spec}
     )
-    arrays, strategy, grid, _ = one_round(settings)
+    arrays, strategy, grid, spy = one_round(settings)
     record = strategy.rounds[0]
     assert (record["replied"], record["failures"]) == (N, 0)
     replies = _train_only(grid.replies)
+    if spec["name"] != "ef":
+        # The client-reported codec error, recomputed here from the real payloads and the
+        # spied update (trained - received; the instruction carried the initial model).
+        initial0 = {k: np.asarray(v.numpy()) for k, v in _initial(settings).items()}
+        for reply in replies:
+            sid = int(reply.content[RECORD_HEADER][KEY_STABLE_ID])
+            num = den = 0.0
+            for name, array in reply.content[RECORD_PAYLOAD].items():
+                x = (spy.local[sid][name] - initial0[name]).astype(np.float64)
+                y = decode_bytes(array.data).numpy().astype(np.float64)
+                num += float(((y - x) ** 2).sum())
+                den += float((x**2).sum())
+            row = next(r for r in record["per_client"] if r["client"] == sid)
+            assert row["codec_rel_error"] == pytest.approx(num / den, rel=1e-9)
+            assert 0 < row["codec_rel_error"] < (2.0 if spec["name"] != "randk" else 40.0)
     rows = {row["client"]: row for row in record["per_client"]}
     initial = {k: np.asarray(v.numpy()) for k, v in _initial(settings).items()}
     for reply in replies:
@@ -416,3 +431,38 @@ def test_every_codec_through_the_mod_and_the_wrapper(spec: dict) -> None:
     assert any(not np.array_equal(arrays[k], initial[k]) for k in arrays)
     ratio = record["codec"]["fp32_codec_bytes"] / record["codec"]["decoded_codec_bytes"]
     assert ratio > 1.5
+
+
+def test_flower_client_side_dp_stacks_in_per_client_mode() -> None:
+    from flwr.clientapp.mod import fixedclipping_mod
+    from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping
+
+    settings = settings_from_dict({"num_clients": N, "num_rounds": 1, "fraction_evaluate": 0.0})
+    clipping = 0.05
+    inner = DifferentialPrivacyClientSideFixedClipping(
+        make_inner_strategy({"name": "fedavg"}, N),
+        noise_multiplier=0.0,
+        clipping_norm=clipping,
+        num_sampled_clients=N,
+    )
+    spy = Spy()
+    # Spy inside the clipping mod: it sees the unclipped model; the compression mod
+    # (outermost) encodes the clipped one.
+    grid = InProcessGrid(make_client_app(inner_mods=[fixedclipping_mod, spy]), N)
+    strategy = CompressedStrategy(
+        inner,
+        codec={"name": "fp32"},
+        run_seed=0,
+        expected_nodes=N,
+        fraction_evaluate=0.0,
+        task=client_task(settings),
+        identity_timeout=5,
+    )
+    strategy.start(grid, _initial(settings), num_rounds=1)
+    assert strategy.rounds[0]["replied"] == N
+    for reply in _train_only(grid.replies):
+        payloads = reply.content[RECORD_PAYLOAD]
+        norm = math.sqrt(
+            sum(float((decode_bytes(a.data).double() ** 2).sum()) for a in payloads.values())
+        )
+        assert norm <= clipping * (1 + 1e-5)  # fp32 keeps the clipping bound
