@@ -565,6 +565,10 @@ class CompressedStrategy(Strategy):
         rows = [state.per_client[sid] for sid in sorted(state.per_client)]
         rec = state.record
         measured = [r for r in rows if "fp32_codec_bytes" in r]  # decoded replies only
+        fp32_codec = sum(r["fp32_codec_bytes"] for r in measured)
+        fp32_wire = sum(r["fp32_wire_bytes"] for r in measured)
+        sent_codec = sum(r["uplink_codec_bytes"] for r in measured)
+        sent_wire = sum(r["uplink_wire_bytes"] for r in measured)
         record: dict[str, Any] = {
             "round": server_round,
             "accuracy": central_dict.get("accuracy"),
@@ -588,10 +592,12 @@ class CompressedStrategy(Strategy):
             "faults": {},
             "codec": {
                 "spec": json.loads(self.codec_json),
-                "fp32_codec_bytes": sum(r["fp32_codec_bytes"] for r in measured),
-                "fp32_wire_bytes": sum(r["fp32_wire_bytes"] for r in measured),
-                "decoded_codec_bytes": sum(r["uplink_codec_bytes"] for r in measured),
-                "decoded_wire_bytes": sum(r["uplink_wire_bytes"] for r in measured),
+                "fp32_codec_bytes": fp32_codec,
+                "fp32_wire_bytes": fp32_wire,
+                "decoded_codec_bytes": sent_codec,
+                "decoded_wire_bytes": sent_wire,
+                "ratio_vs_fp32_codec": fp32_codec / sent_codec if sent_codec else None,
+                "ratio_vs_fp32_wire": fp32_wire / sent_wire if sent_wire else None,
                 "per_tensor": dict(state.tensor_codecs),
                 "client_rel_error_mean": _mean(
                     [r["codec_rel_error"] for r in measured if "codec_rel_error" in r]

@@ -30,13 +30,14 @@ from fedcomp.codecs.base import (
 )
 from fedcomp.codecs.memory import ErrorFeedback, Memory
 from fedcomp.codecs.policy import TensorPolicy
+from fedcomp.codecs.residual import ResidualMemory
 from fedcomp.codecs.wire import Payload, PayloadError, PayloadHeader, parse_payload
 
 #: Memory names accepted by make_codec, with the inner codec given as ``inner=<name>``.
-MEMORIES = ("ef",)
+MEMORIES = ("ef", "residual")
 
 
-def make_codec(name: str, **params: Any) -> Codec | ErrorFeedback:
+def make_codec(name: str, **params: Any) -> Codec | Memory:
     """Build a codec (or a memory around one) by name, validating its parameters.
 
     ``make_codec("ef", inner="sign", block=256)`` builds error feedback around
@@ -47,11 +48,14 @@ def make_codec(name: str, **params: Any) -> Codec | ErrorFeedback:
     ValueError
         On an unknown codec name or a parameter the codec does not take, naming it.
     """
-    if name == "ef":
+    if name in MEMORIES:
         inner = params.pop("inner", None)
         if not isinstance(inner, str) or inner in MEMORIES:
-            raise ValueError(f"ef needs inner=<codec name>, got inner={inner!r}")
-        return ErrorFeedback(make_codec(inner, **params))
+            raise ValueError(f"{name} needs inner=<codec name>, got inner={inner!r}")
+        if name == "ef":
+            return ErrorFeedback(make_codec(inner, **params))
+        alpha = params.pop("alpha", None)
+        return ResidualMemory(make_codec(inner, **params), alpha=alpha)
     try:
         cls = codec_class(name)
     except ValueError:
@@ -75,7 +79,7 @@ def make_codec(name: str, **params: Any) -> Codec | ErrorFeedback:
     return cls(**params)
 
 
-def make_codec_from_spec(spec: Mapping[str, Any]) -> Codec | ErrorFeedback:
+def make_codec_from_spec(spec: Mapping[str, Any]) -> Codec | Memory:
     """Build a codec from a spec mapping such as ``{"name": "fp32"}``."""
     if "name" not in spec:
         raise ValueError(f"a codec spec needs a 'name', got {dict(spec)!r}")
@@ -90,6 +94,7 @@ __all__ = [
     "Payload",
     "PayloadError",
     "PayloadHeader",
+    "ResidualMemory",
     "TensorPolicy",
     "codec_class_by_id",
     "codec_names",

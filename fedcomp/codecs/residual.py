@@ -1,0 +1,124 @@
+"""Residual compression against a per-client control variate (the seed method).
+
+Client m keeps h_m (same shapes as the update) and sends q_m = Q(delta_m - h_m) with an
+unbiased codec Q; the server keeps a mirror of h_m and reconstructs
+ghat_m = h_m + decode(q_m). Both sides then apply the SAME float32 update from the
+decoded residual, h_m <- h_m + alpha * decode(q_m), so client and mirror stay bit-identical
+on one platform. The compression noise scales with ||delta_m - h_m||^2 instead of
+||delta_m||^2, and h_m tracks delta_m when alpha <= 1 / (1 + omega).
+
+This module holds the pure maths (no flwr): the memory object, the per-tensor alpha,
+the update, and the checksum both sides compare. The protocol (versions, acks,
+resyncs) lives in the client mod and the server's mirror store.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedcomp.codecs.base import Codec
+from fedcomp.codecs.memory import Memory
+from fedcomp.codecs.wire import Payload
+
+
+def state_checksum(state: Mapping[str, np.ndarray]) -> str:
+    """A short digest of a control variate (names, shapes and float32 bytes, in order)."""
+    digest = hashlib.blake2b(digest_size=8)
+    for name in sorted(state):
+        value = np.ascontiguousarray(state[name], dtype=np.float32)
+        digest.update(name.encode() + b"\0" + str(value.shape).encode() + b"\0")
+        digest.update(value.tobytes())
+    return digest.hexdigest()
+
+
+def apply_residual(h: np.ndarray | None, decoded: np.ndarray, alpha: float) -> np.ndarray:
+    """h + alpha * decoded in float32, elementwise (the same expression on both sides)."""
+    step = np.float32(alpha) * decoded.astype(np.float32, copy=False)
+    return step if h is None else (h.astype(np.float32, copy=False) + step).astype(np.float32)
+
+
+class ResidualMemory(Memory):
+    """``residual(inner=...)``: Q(delta - h) with a control variate h per client.
+
+    Parameters
+    ----------
+    inner : Codec
+        An unbiased stateless codec (uniform, qsgd, randk, fp16 is biased and refused).
+    alpha : float, optional
+        Step of the control-variate update. Default: 1 / (1 + omega) per tensor, with
+        omega the inner codec's variance factor for that tensor's size (the convergence
+        limit of the method); a larger value is allowed with a warning naming the limit.
+    """
+
+    name = "residual"
+
+    def __init__(self, inner: Codec, alpha: float | None = None) -> None:
+        if not isinstance(inner, Codec):
+            raise ValueError(
+                f"residual: inner must be a stateless codec, got {type(inner).__name__} "
+                "(error feedback and joint codes cannot sit inside residual)"
+            )
+        if not inner.unbiased or inner.variance_factor(1) is None:
+            raise ValueError(
+                f"residual: inner codec {inner.name!r} is not unbiased; use uniform, qsgd "
+                "or randk (the reconstruction h + decode(q) must be unbiased)"
+            )
+        if alpha is not None and not (isinstance(alpha, int | float) and 0 < alpha <= 1):
+            raise ValueError(f"residual: alpha must be in (0, 1], got {alpha!r}")
+        self.inner = inner
+        self.alpha = alpha
+        self._warned: set[int] = set()
+
+    def spec(self) -> dict[str, Any]:
+        inner = self.inner.spec()
+        spec = {"name": self.name, "inner": inner.pop("name"), **inner}
+        if self.alpha is not None:
+            spec["alpha"] = self.alpha
+        return spec
+
+    def alpha_limit(self, numel: int) -> float:
+        """1 / (1 + omega) for a tensor of ``numel`` elements."""
+        return 1.0 / (1.0 + float(self.inner.variance_factor(numel)))
+
+    def alpha_for(self, numel: int) -> float:
+        """The alpha used for a tensor (identical on client and server)."""
+        limit = self.alpha_limit(numel)
+        if self.alpha is None:
+            return limit
+        if self.alpha > limit * (1 + 1e-12) and numel not in self._warned:
+            self._warned.add(numel)
+            warnings.warn(
+                f"residual: alpha={self.alpha} exceeds the convergence limit "
+                f"1/(1+omega)={limit:.4g} for tensors of {numel} elements",
+                stacklevel=2,
+            )
+        return self.alpha
+
+    def encode(
+        self, delta: torch.Tensor, h: np.ndarray | None, *, seed: int
+    ) -> tuple[Payload, np.ndarray]:
+        """Encode delta - h; return the payload and the decoded residual (float32).
+
+        The client decodes its own payload: that is exactly what the server decodes,
+        so both sides update h from the same numbers.
+        """
+        x = delta.detach().to(torch.float32)
+        if h is not None:
+            if tuple(h.shape) != tuple(x.shape):
+                raise ValueError(f"residual: h shape {h.shape} != update shape {tuple(x.shape)}")
+            x = x - torch.from_numpy(np.ascontiguousarray(h, dtype=np.float32))
+        payload = self.inner.encode(x, seed=seed)
+        decoded = self.inner.decode(payload).to(torch.float32).numpy()
+        return payload, decoded
+
+    def noise_bound(self, residual_norm2: float, numel: int) -> float:
+        """omega * ||r||^2: the expected compression noise of one tensor."""
+        omega = self.inner.variance_factor(numel)
+        return float(omega) * residual_norm2 if omega is not None else math.inf

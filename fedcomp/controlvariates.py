@@ -1,0 +1,169 @@
+"""The server side of residual compression: per-client mirrors of the control variates.
+
+``MirrorStore`` keeps one mirror h_m per stable client id, in memory or in a directory
+(one ``.npz`` per client, written atomically), so cross-device runs are not bounded by
+RAM: the store costs clients x model size (x4 bytes in float32). ``ControlVariateServer``
+applies the protocol: a reply is decoded against the mirror only when its version and
+checksum match; otherwise the client is asked to resync (a full-precision update that
+resets both copies), and nothing is ever decoded against the wrong h_m.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedcomp.codecs.residual import ResidualMemory, apply_residual, state_checksum
+
+
+@dataclass
+class Mirror:
+    """One client's control variate as the server sees it."""
+
+    version: int
+    arrays: dict[str, np.ndarray]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())
+
+
+class MirrorStore:
+    """Mirrors keyed by stable client id; on disk when ``directory`` is given."""
+
+    def __init__(self, directory: str | os.PathLike[str] | None = None) -> None:
+        self.directory = Path(directory) if directory is not None else None
+        self._memory: dict[int, Mirror] = {}
+        if self.directory is not None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, stable_id: int) -> Path:
+        assert self.directory is not None
+        return self.directory / f"client-{stable_id}.npz"
+
+    def get(self, stable_id: int) -> Mirror | None:
+        if self.directory is None:
+            return self._memory.get(stable_id)
+        path = self._path(stable_id)
+        if not path.exists():
+            return None
+        with np.load(path, allow_pickle=False) as data:
+            arrays = {k: data[k] for k in data.files if k != "__version__"}
+            return Mirror(int(data["__version__"]), arrays)
+
+    def put(self, stable_id: int, mirror: Mirror) -> None:
+        if self.directory is None:
+            self._memory[stable_id] = mirror
+            return
+        fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".npz")
+        os.close(fd)
+        with open(tmp, "wb") as handle:
+            np.savez(handle, __version__=np.int64(mirror.version), **mirror.arrays)
+        os.replace(tmp, self._path(stable_id))
+
+    def drop(self, stable_id: int) -> None:
+        if self.directory is None:
+            self._memory.pop(stable_id, None)
+        else:
+            self._path(stable_id).unlink(missing_ok=True)
+
+    def ids(self) -> list[int]:
+        if self.directory is None:
+            return sorted(self._memory)
+        return sorted(int(p.stem.split("-", 1)[1]) for p in self.directory.glob("client-*.npz"))
+
+    def nbytes(self) -> int:
+        """Bytes held by all mirrors (their arrays)."""
+        return sum(m.nbytes for sid in self.ids() if (m := self.get(sid)) is not None)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            str(sid): {"version": m.version, "arrays": {k: v.copy() for k, v in m.arrays.items()}}
+            for sid in self.ids()
+            if (m := self.get(sid)) is not None
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for sid in self.ids():
+            self.drop(sid)
+        for sid, entry in state.items():
+            arrays = {k: np.array(v, dtype=np.float32) for k, v in entry["arrays"].items()}
+            self.put(int(sid), Mirror(int(entry["version"]), arrays))
+
+
+class ResyncRequired(ValueError):
+    """The reply cannot be decoded against the server's mirror; the client must resync."""
+
+
+class ControlVariateServer:
+    """Reconstruct ghat_m = h_m + decode(q_m) and keep the mirrors in step.
+
+    Parameters
+    ----------
+    memory : ResidualMemory
+        The residual memory (it gives the per-tensor alpha, identical on both sides).
+    store : MirrorStore
+        Where the mirrors live.
+    """
+
+    def __init__(self, memory: ResidualMemory, store: MirrorStore | None = None) -> None:
+        self.memory = memory
+        self.store = store or MirrorStore()
+        #: Clients that must send a full-precision resync in their next reply.
+        self.resync_requested: set[int] = set()
+
+    def reconstruct(
+        self,
+        stable_id: int,
+        decoded: Mapping[str, np.ndarray],
+        *,
+        version: int,
+        checksum: str,
+        resync: bool,
+    ) -> dict[str, np.ndarray]:
+        """The client's update from its decoded residuals (or its resync update).
+
+        ``decoded`` holds only the tensors under the control variate (the policy's
+        compressed tensors). On success the mirror moves to the version the client's
+        pending state has; on a mismatch, :class:`ResyncRequired` is raised and the
+        client is asked to resync.
+        """
+        if resync:
+            arrays = {k: apply_residual(None, v, 1.0) for k, v in decoded.items()}
+            self.store.put(stable_id, Mirror(1, arrays))
+            self.resync_requested.discard(stable_id)
+            return {k: v.astype(np.float32, copy=False) for k, v in decoded.items()}
+        mirror = self.store.get(stable_id)
+        problem = None
+        if mirror is None:
+            problem = "the server has no control variate for this client"
+        elif mirror.version != version:
+            problem = f"version {version} != server's {mirror.version}"
+        elif set(mirror.arrays) != set(decoded):
+            problem = "tensor names differ from the server's control variate"
+        elif state_checksum(mirror.arrays) != checksum:
+            problem = "checksum differs from the server's control variate"
+        if problem is not None:
+            self.resync_requested.add(stable_id)
+            raise ResyncRequired(f"control variate mismatch ({problem}): resync requested")
+        assert mirror is not None
+        ghat, updated = {}, {}
+        for name, r_hat in decoded.items():
+            h = mirror.arrays[name]
+            ghat[name] = (h + r_hat.astype(np.float32, copy=False)).astype(np.float32)
+            updated[name] = apply_residual(h, r_hat, self.memory.alpha_for(h.size))
+        self.store.put(stable_id, Mirror(mirror.version + 1, updated))
+        return ghat
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"mirrors": self.store.state_dict(), "resync": sorted(self.resync_requested)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.store.load_state_dict(state["mirrors"])
+        self.resync_requested = {int(s) for s in state["resync"]}
