@@ -28,6 +28,10 @@ class MemoryState:
     committed: dict[str, np.ndarray] = field(default_factory=dict)
     pending: dict[str, np.ndarray] = field(default_factory=dict)
     pending_round: int = _NO_ROUND
+    #: Version of the committed state (0: none) and of the pending one; the residual
+    #: memory sends the committed version so the server can check its mirror.
+    version: int = 0
+    pending_version: int = 0
 
     def begin_round(self, ack_round: int, spec: str) -> dict[str, np.ndarray]:
         """Apply the server's acknowledgement; return the state to encode against.
@@ -35,10 +39,10 @@ class MemoryState:
         A different codec spec than the stored one starts from a clean state.
         """
         if spec != self.spec:
-            self.spec, self.committed = spec, {}
+            self.spec, self.committed, self.version = spec, {}, 0
         elif self.pending_round != _NO_ROUND and ack_round == self.pending_round:
-            self.committed = self.pending
-        self.pending, self.pending_round = {}, _NO_ROUND
+            self.committed, self.version = self.pending, self.pending_version
+        self.pending, self.pending_round, self.pending_version = {}, _NO_ROUND, 0
         return self.committed
 
     def state_dict(self) -> dict[str, object]:
@@ -48,6 +52,8 @@ class MemoryState:
             "committed": {k: v.copy() for k, v in self.committed.items()},
             "pending": {k: v.copy() for k, v in self.pending.items()},
             "pending_round": self.pending_round,
+            "version": self.version,
+            "pending_version": self.pending_version,
         }
 
     def load_state_dict(self, state: dict[str, object]) -> None:
@@ -55,10 +61,17 @@ class MemoryState:
         self.committed = {k: np.array(v) for k, v in dict(state["committed"]).items()}
         self.pending = {k: np.array(v) for k, v in dict(state["pending"]).items()}
         self.pending_round = int(state["pending_round"])
+        self.version = int(state.get("version", 0))
+        self.pending_version = int(state.get("pending_version", 0))
 
-    def stage(self, server_round: int, pending: dict[str, np.ndarray]) -> None:
+    def stage(self, server_round: int, pending: dict[str, np.ndarray], version: int = 0) -> None:
         """Remember the state this round's reply would lead to, until it is acked."""
-        self.pending, self.pending_round = pending, server_round
+        self.pending, self.pending_round, self.pending_version = pending, server_round, version
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the committed and pending arrays (the client's memory overhead)."""
+        return sum(a.nbytes for a in (*self.committed.values(), *self.pending.values()))
 
 
 def _arrays(record: ArrayRecord | None) -> dict[str, np.ndarray]:
@@ -75,6 +88,8 @@ def load_memory(state: RecordDict) -> MemoryState:
         committed=_arrays(state.array_records.get(STATE_COMMITTED)),
         pending=_arrays(state.array_records.get(STATE_PENDING)),
         pending_round=int(meta["pending-round"]),
+        version=int(meta.get("version", 0)),
+        pending_version=int(meta.get("pending-version", 0)),
     )
 
 
@@ -83,4 +98,11 @@ def store_memory(state: RecordDict, memory: MemoryState) -> None:
     FLOWER_NOTES.md: deployment keeps state written before a failure)."""
     state[STATE_COMMITTED] = ArrayRecord({k: Array(v) for k, v in memory.committed.items()})
     state[STATE_PENDING] = ArrayRecord({k: Array(v) for k, v in memory.pending.items()})
-    state[STATE_META] = ConfigRecord({"spec": memory.spec, "pending-round": memory.pending_round})
+    state[STATE_META] = ConfigRecord(
+        {
+            "spec": memory.spec,
+            "pending-round": memory.pending_round,
+            "version": memory.version,
+            "pending-version": memory.pending_version,
+        }
+    )

@@ -37,26 +37,36 @@ from clients.memory_state import load_memory, store_memory
 from fedcomp.codecs import (
     Codec,
     ErrorFeedback,
+    ResidualMemory,
     TensorPolicy,
     decode_bytes,
     make_codec,
     make_codec_from_spec,
 )
+from fedcomp.codecs.residual import apply_residual, state_checksum
 from fedcomp.keys import (
     KEY_ACK_ROUND,
     KEY_CODEC,
+    KEY_CV_CHECKSUM,
+    KEY_CV_VERSION,
     KEY_EXPECTED_ID,
     KEY_NUM_EXAMPLES,
     KEY_POLICY,
     KEY_PROTOCOL,
+    KEY_RESYNC,
     KEY_ROUND,
     KEY_RUN_SEED,
     KEY_STABLE_ID,
     METRIC_CODEC_BYTES,
+    METRIC_CV_BOUND,
+    METRIC_CV_DELTA,
+    METRIC_CV_NOISE,
+    METRIC_CV_RESIDUAL,
     METRIC_ENCODE_S,
     METRIC_FP32_CODEC_BYTES,
     METRIC_FP32_CONTENT_WIRE_BYTES,
     METRIC_REL_ERROR,
+    METRIC_STATE_BYTES,
     PROTOCOL_VERSION,
     RECORD_HEADER,
     RECORD_PAYLOAD,
@@ -188,6 +198,8 @@ class CompressionMod:
         carried: dict[str, np.ndarray] = {}
         pending: dict[str, np.ndarray] = {}
         t0 = time.perf_counter()
+        cv_header: dict[str, int | str] = {}
+        cv_stats: dict[str, float] = {}
         if isinstance(codec, ErrorFeedback):
             memory = load_memory(ctxt.state)
             carried = memory.begin_round(
@@ -195,10 +207,38 @@ class CompressionMod:
             )
             payloads, pending = self._encode_with_feedback(codec, policy, deltas, seeds, carried)
             memory.stage(server_round, pending)
+        elif isinstance(codec, ResidualMemory):
+            memory = load_memory(ctxt.state)
+            h = memory.begin_round(int(config.get(KEY_ACK_ROUND, -1)), json.dumps(codec.spec()))
+            covered = {
+                n for n, d in deltas.items() if policy.codec_for(d, codec.inner) is codec.inner
+            }
+            # Resync (full precision, both copies reset) when the server asks, or when this
+            # client has no usable state: a new device, wiped state, a changed model.
+            resync = (
+                bool(int(config.get(KEY_RESYNC, 0)))
+                or memory.version == 0
+                or set(h) != covered
+                or any(h[n].shape != tuple(deltas[n].shape) for n in covered)
+            )
+            payloads, pending, cv_stats = self._encode_residual(
+                codec, policy, deltas, seeds, h, covered, resync
+            )
+            cv_header = {
+                KEY_CV_VERSION: 0 if resync else memory.version,
+                # Not "": Flower's ConfigRecord.count_bytes raises on empty strings.
+                KEY_CV_CHECKSUM: "none" if resync else state_checksum(h),
+                KEY_RESYNC: int(resync),
+            }
+            memory.stage(server_round, pending, 1 if resync else memory.version + 1)
+            if not resync:  # the codec encoded delta - h on the covered tensors
+                inputs = {
+                    n: d - torch.from_numpy(h[n]) if n in covered else d for n, d in deltas.items()
+                }
         else:
             payloads = self._encode_all(codec, policy, deltas, seeds)
         encode_s = time.perf_counter() - t0
-        if memory is not None:  # EF encodes delta + carried error
+        if isinstance(codec, ErrorFeedback):  # EF encodes delta + carried error
             inputs = {
                 n: d + torch.from_numpy(carried[n])
                 if n in pending and n in carried and carried[n].shape == tuple(d.shape)
@@ -211,6 +251,10 @@ class CompressionMod:
         out_metrics[METRIC_CODEC_BYTES] = sum(len(b) for b in payloads.values())
         if self.measure_error:
             out_metrics[METRIC_REL_ERROR] = relative_error(payloads, inputs)
+        for key, value in cv_stats.items():
+            out_metrics[key] = value
+        if memory is not None:
+            out_metrics[METRIC_STATE_BYTES] = memory.nbytes
         if self.measure_fp32_reference:
             reference = self._encode_all(self._fp32, policy, deltas, seeds)
             out_metrics[METRIC_FP32_CODEC_BYTES] = sum(len(b) for b in reference.values())
@@ -223,6 +267,7 @@ class CompressionMod:
                 KEY_PROTOCOL: PROTOCOL_VERSION,
                 KEY_ROUND: server_round,
                 KEY_CODEC: json.dumps(codec.spec(), sort_keys=True),
+                **cv_header,
             }
         )
         content = payload_content(payloads)
@@ -249,6 +294,48 @@ class CompressionMod:
             name: bytes(policy.codec_for(delta, codec).encode(delta, seed=seeds[name]))
             for name, delta in deltas.items()
         }
+
+    def _encode_residual(
+        self,
+        memory: ResidualMemory,
+        policy: TensorPolicy,
+        deltas: dict[str, torch.Tensor],
+        seeds: dict[str, int],
+        h: dict[str, np.ndarray],
+        covered: set[str],
+        resync: bool,
+    ) -> tuple[dict[str, bytes], dict[str, np.ndarray], dict[str, float]]:
+        """Encode delta - h on the covered tensors; the new h goes to ``pending``.
+
+        A resync sends the covered tensors in fp32 and resets h to them (alpha = 1).
+        """
+        payloads, pending = {}, {}
+        stats = dict.fromkeys(
+            (METRIC_CV_RESIDUAL, METRIC_CV_DELTA, METRIC_CV_NOISE, METRIC_CV_BOUND), 0.0
+        )
+        for name, delta in deltas.items():
+            if name not in covered:
+                payloads[name] = bytes(
+                    policy.codec_for(delta, memory.inner).encode(delta, seed=seeds[name])
+                )
+                continue
+            delta_np = delta.to(torch.float32).numpy()
+            delta2 = float(np.square(delta_np, dtype=np.float64).sum())
+            stats[METRIC_CV_DELTA] += delta2
+            if resync:
+                payload = self._fp32.encode(delta, seed=seeds[name])
+                pending[name] = apply_residual(None, self._fp32.decode(payload).numpy(), 1.0)
+                stats[METRIC_CV_RESIDUAL] += delta2
+            else:
+                payload, r_hat = memory.encode(delta, h[name], seed=seeds[name])
+                r = delta_np - h[name]
+                r2 = float(np.square(r, dtype=np.float64).sum())
+                pending[name] = apply_residual(h[name], r_hat, memory.alpha_for(delta.numel()))
+                stats[METRIC_CV_RESIDUAL] += r2
+                stats[METRIC_CV_NOISE] += float(np.square(r_hat - r, dtype=np.float64).sum())
+                stats[METRIC_CV_BOUND] += memory.noise_bound(r2, delta.numel())
+            payloads[name] = bytes(payload)
+        return payloads, pending, stats
 
     @staticmethod
     def _encode_with_feedback(

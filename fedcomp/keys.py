@@ -24,6 +24,8 @@ KEY_EXPECTED_ID = "fedcomp.expected-id"
 #: Last round whose reply from THIS client the server accepted (-1: none). The client
 #: commits the state that reply produced only when it sees this acknowledgement.
 KEY_ACK_ROUND = "fedcomp.ack-round"
+#: 1 when the server asks this client for a full-precision resync of its control variate.
+KEY_RESYNC = "fedcomp.resync"
 #: JSON-encoded tensor policy, e.g. ``{"min_numel": 256}``.
 KEY_POLICY = "fedcomp.policy"
 #: Query kind for first-contact identity queries.
@@ -39,6 +41,10 @@ RECORD_HEADER = "fedcomp.header"
 RECORD_IDENTITY = "fedcomp.identity"
 #: Stable client id (the partition id unless configured otherwise).
 KEY_STABLE_ID = "fedcomp.stable-id"
+#: Residual memory: the committed control-variate version the payload was encoded
+#: against (0 for a resync), and the checksum of that control variate.
+KEY_CV_VERSION = "fedcomp.cv-version"
+KEY_CV_CHECKSUM = "fedcomp.cv-checksum"
 
 # --- Reply metrics (MetricRecord "metrics") ----------------------------------------
 KEY_NUM_EXAMPLES = "num-examples"
@@ -46,6 +52,14 @@ METRIC_ENCODE_S = "fedcomp.encode-s"
 METRIC_CODEC_BYTES = "fedcomp.codec-bytes"
 METRIC_FP32_CODEC_BYTES = "fedcomp.fp32-codec-bytes"
 METRIC_FP32_CONTENT_WIRE_BYTES = "fedcomp.fp32-content-wire-bytes"
+#: Residual memory statistics measured by the client (sums over tensors):
+#: ||delta - h||^2, ||delta||^2, the compression noise ||r_hat - r||^2, omega ||r||^2,
+#: and the bytes its control-variate state takes.
+METRIC_CV_RESIDUAL = "fedcomp.cv-residual-norm2"
+METRIC_CV_DELTA = "fedcomp.cv-delta-norm2"
+METRIC_CV_NOISE = "fedcomp.cv-noise-norm2"
+METRIC_CV_BOUND = "fedcomp.cv-noise-bound"
+METRIC_STATE_BYTES = "fedcomp.state-bytes"
 #: The codec's relative error on this client's update, measured by the client.
 METRIC_REL_ERROR = "fedcomp.codec-rel-error"
 

@@ -93,6 +93,8 @@ class AggregationSettings:
     """How decoded client updates reach the inner Flower strategy."""
 
     handoff: str = "per_client"
+    #: Residual memory: a directory for the control-variate mirrors ("" = in memory).
+    mirror_dir: str = ""
 
 
 @dataclass

@@ -69,6 +69,7 @@ def run_server(
         handoff=settings.aggregation.handoff,
         task=client_task(settings),
         policy=TensorPolicy(min_numel=settings.policy.min_numel),
+        mirror_dir=settings.aggregation.mirror_dir or None,
         identity_timeout=settings.simulation.round_timeout,
         on_round=on_round,
     )

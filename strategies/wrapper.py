@@ -54,29 +54,40 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 from fedcomp.aggregate import weighted_mean
 from fedcomp.codecs import (
     PayloadError,
+    ResidualMemory,
     TensorPolicy,
     codec_class_by_id,
     decode_bytes,
     make_codec_from_spec,
     parse_payload,
 )
+from fedcomp.codecs.dense import RawCodec
 from fedcomp.codecs.wire import DTYPE_CODES
+from fedcomp.controlvariates import ControlVariateServer, MirrorStore, ResyncRequired
 from fedcomp.keys import (
     KEY_ACK_ROUND,
     KEY_CODEC,
+    KEY_CV_CHECKSUM,
+    KEY_CV_VERSION,
     KEY_EXPECTED_ID,
     KEY_NUM_EXAMPLES,
     KEY_POLICY,
     KEY_PROTOCOL,
+    KEY_RESYNC,
     KEY_ROUND,
     KEY_RUN_SEED,
     KEY_STABLE_ID,
     KEY_TASK,
     METRIC_CODEC_BYTES,
+    METRIC_CV_BOUND,
+    METRIC_CV_DELTA,
+    METRIC_CV_NOISE,
+    METRIC_CV_RESIDUAL,
     METRIC_ENCODE_S,
     METRIC_FP32_CODEC_BYTES,
     METRIC_FP32_CONTENT_WIRE_BYTES,
     METRIC_REL_ERROR,
+    METRIC_STATE_BYTES,
     PROTOCOL_VERSION,
     RECORD_HEADER,
     RECORD_PAYLOAD,
@@ -95,6 +106,9 @@ MEAN_BASED = (FedAvg, FedAvgM, FedProx, FedAdam, FedYogi, FedAdagrad)
 #: Client metric names starting with this prefix are fedcomp's own; they are
 #: aggregated here and not handed to the inner strategy.
 _OWN_PREFIX = "fedcomp."
+
+
+RAW_CODEC_ID = RawCodec.codec_id
 
 
 class ReplyError(ValueError):
@@ -161,6 +175,9 @@ class CompressedStrategy(Strategy):
         Settings the example ClientApp needs, sent JSON-encoded in every config.
     policy : TensorPolicy, optional
         Which tensors travel raw; sent to the clients (default: the mod's own).
+    mirror_dir : str, optional
+        Residual memory only: keep the clients' control-variate mirrors in this
+        directory (one file per client) instead of in memory.
     identity_timeout : float
         Seconds to wait for ``expected_nodes`` nodes to connect.
     on_round : callable, optional
@@ -179,6 +196,7 @@ class CompressedStrategy(Strategy):
         handoff: str = "per_client",
         task: Mapping[str, Any] | None = None,
         policy: TensorPolicy | None = None,
+        mirror_dir: str | None = None,
         identity_timeout: float = 600.0,
         on_round: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
@@ -215,6 +233,12 @@ class CompressedStrategy(Strategy):
         #: Last round whose reply each client (stable id) had accepted: the ack that
         #: lets a client commit the state that reply produced.
         self.accepted_round: dict[int, int] = {}
+        #: Residual memory: the server's mirrors of the clients' control variates.
+        self.cv = (
+            ControlVariateServer(self.codec, MirrorStore(mirror_dir or None))
+            if isinstance(self.codec, ResidualMemory)
+            else None
+        )
         self.identity_timeout = identity_timeout
         self.on_round = on_round
 
@@ -296,6 +320,8 @@ class CompressedStrategy(Strategy):
             if kind == MessageType.TRAIN:
                 config[KEY_CODEC] = self.codec_json
                 config[KEY_ACK_ROUND] = self.accepted_round.get(sid, -1)
+                if self.cv is not None and sid in self.cv.resync_requested:
+                    config[KEY_RESYNC] = 1
                 if self.policy_json is not None:
                     config[KEY_POLICY] = self.policy_json
             if self.task_json is not None:
@@ -362,7 +388,7 @@ class CompressedStrategy(Strategy):
             raise ReplyError(f"no '{RECORD_PAYLOAD}' record")
         if list(payloads.keys()) != list(state.global_arrays):
             raise ReplyError("payload tensor names differ from the global model's")
-        deltas = {}
+        deltas, covered = {}, set()
         for name, reference in state.global_arrays.items():
             buf = payloads[name].data
             header_ = parse_payload(buf).header
@@ -385,6 +411,19 @@ class CompressedStrategy(Strategy):
                 raise ReplyError(f"{name}: non-finite values in the update")
             deltas[name] = delta
             state.tensor_codecs.setdefault(name, codec_cls.name)
+            if codec_cls.codec_id != RAW_CODEC_ID:
+                covered.add(name)
+        if self.cv is not None:  # last: nothing may fail after the mirror moved
+            resync = bool(int(header.get(KEY_RESYNC, 0)))
+            ghat = self.cv.reconstruct(
+                sid,
+                {name: deltas[name] for name in covered},
+                version=int(header.get(KEY_CV_VERSION, -1)),
+                checksum=str(header.get(KEY_CV_CHECKSUM, "")),
+                resync=resync,
+            )
+            deltas.update(ghat)
+            state.record["resyncs"] = state.record.get("resyncs", 0) + int(resync)
         return _Decoded(sid, deltas, float(weight), metrics, msg)
 
     def aggregate_train(
@@ -416,6 +455,11 @@ class CompressedStrategy(Strategy):
             row["uplink_record_bytes"] = record_bytes(msg.content)
             try:
                 item = self._decode_reply(msg, state)
+            except ResyncRequired as exc:
+                failures += 1
+                state.record["resync_requests"] = state.record.get("resync_requests", 0) + 1
+                log.warning("round %d: client %s: %s", server_round, sid, exc)
+                continue
             except (ReplyError, PayloadError, ValueError, KeyError, TypeError) as exc:
                 failures += 1
                 nonfinite += "non-finite" in str(exc)
@@ -445,6 +489,15 @@ class CompressedStrategy(Strategy):
         row["encode_s"] = float(item.metrics.get(METRIC_ENCODE_S, 0.0))
         row["num_examples"] = int(item.weight)
         row["client_codec_bytes"] = int(item.metrics.get(METRIC_CODEC_BYTES, -1))
+        for key in (
+            METRIC_CV_RESIDUAL,
+            METRIC_CV_DELTA,
+            METRIC_CV_NOISE,
+            METRIC_CV_BOUND,
+            METRIC_STATE_BYTES,
+        ):
+            if key in item.metrics:
+                row[key.removeprefix("fedcomp.")] = float(item.metrics[key])
         if METRIC_REL_ERROR in item.metrics:
             row["codec_rel_error"] = float(item.metrics[METRIC_REL_ERROR])
         if METRIC_FP32_CODEC_BYTES in item.metrics:
@@ -511,6 +564,40 @@ class CompressedStrategy(Strategy):
                 )
             ]
         return self.strategy.aggregate_train(server_round, replies)
+
+    def _residual_summary(
+        self, state: _RoundState, measured: list[dict[str, Any]]
+    ) -> dict[str, Any]:
+        """Per-round residual statistics (means over decoded, non-resync replies)."""
+        if self.cv is None:
+            return {}
+        coded = [r for r in measured if r.get("cv-noise-bound", 0) > 0]
+        residual = _mean([r["cv-residual-norm2"] for r in coded])
+        delta = _mean([r["cv-delta-norm2"] for r in coded])
+        return {
+            "residual_norm2_mean": residual,
+            "delta_norm2_mean": delta,
+            "residual_over_delta": residual / delta if residual is not None and delta else None,
+            "noise_norm2_mean": _mean([r["cv-noise-norm2"] for r in coded]),
+            "noise_bound_mean": _mean([r["cv-noise-bound"] for r in coded]),
+            "client_state_bytes_mean": _mean(
+                [r["state-bytes"] for r in measured if "state-bytes" in r]
+            ),
+            "server_mirror_bytes": self.cv.store.nbytes(),
+            "resync_requests": state.record.get("resync_requests", 0),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapper's own state (for checkpoints); public randomness needs none."""
+        return {
+            "accepted_round": dict(self.accepted_round),
+            "cv": self.cv.state_dict() if self.cv is not None else None,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.accepted_round = {int(k): int(v) for k, v in state["accepted_round"].items()}
+        if self.cv is not None and state.get("cv") is not None:
+            self.cv.load_state_dict(state["cv"])
 
     # ------------------------------------------------------------------ evaluation
 
@@ -587,7 +674,7 @@ class CompressedStrategy(Strategy):
             "selected": rec.get("selected", 0),
             "replied": rec.get("replied", 0),
             "failures": rec.get("failures", 0),
-            "resyncs": 0,
+            "resyncs": rec.get("resyncs", 0),
             "nonfinite": rec.get("nonfinite", 0),
             "faults": {},
             "codec": {
@@ -602,6 +689,7 @@ class CompressedStrategy(Strategy):
                 "client_rel_error_mean": _mean(
                     [r["codec_rel_error"] for r in measured if "codec_rel_error" in r]
                 ),
+                **self._residual_summary(state, measured),
             },
         }
         self.rounds.append(record)

@@ -1,0 +1,177 @@
+"""The residual protocol through the real mod and wrapper, in-process: mirrors stay
+bit-identical to the clients' control variates under lost replies and partial
+participation; lost client state and mismatched mirrors resync; checkpoints resume."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+
+from clients.client_app import make_client_app
+from clients.memory_state import load_memory
+from fedcomp.controlvariates import Mirror
+from fedcomp.models import build_model
+from fedcomp.settings import Settings, settings_from_dict
+from strategies.inner import make_inner_strategy
+from strategies.server_app import client_task
+from strategies.wrapper import CompressedStrategy
+from tests.inprocess import InProcessGrid
+
+N = 4
+CODEC = {"name": "residual", "inner": "uniform", "bits": 2, "block": 64}
+
+
+def _settings(**extra) -> Settings:
+    return settings_from_dict(
+        {"num_clients": N, "num_rounds": 1, "fraction_evaluate": 0.0, "codec": CODEC, **extra}
+    )
+
+
+def _strategy(settings: Settings) -> CompressedStrategy:
+    return CompressedStrategy(
+        make_inner_strategy({"name": "fedavg"}, N),
+        codec=settings.codec,
+        run_seed=settings.seed,
+        expected_nodes=N,
+        fraction_train=settings.fraction_train,
+        fraction_evaluate=0.0,
+        task=client_task(settings),
+        identity_timeout=5,
+    )
+
+
+def _initial(settings: Settings) -> ArrayRecord:
+    return ArrayRecord(
+        build_model(settings.model, settings.dataset.name, settings.seed).state_dict()
+    )
+
+
+def run_rounds(strategy: CompressedStrategy, grid, arrays: ArrayRecord, rounds) -> ArrayRecord:
+    """Flower's round loop, for any range of round numbers (resume tests need 3..4)."""
+    strategy.ids.refresh(grid, expected=N, timeout=5)
+    for rnd in rounds:
+        replies = grid.send_and_receive(strategy.configure_train(rnd, arrays, ConfigRecord(), grid))
+        new, _ = strategy.aggregate_train(rnd, replies)
+        strategy._close_round(rnd, None)
+        arrays = new if new is not None else arrays
+    return arrays
+
+
+def _drop(plan: dict[int, set[int]], current: dict[str, int]):
+    def tamper(pid: int, reply: Message, instruction: Message) -> Message | None:
+        is_train = instruction.metadata.message_type == MessageType.TRAIN
+        return None if is_train and pid in plan.get(current["round"], set()) else reply
+
+    return tamper
+
+
+def _tracking(strategy: CompressedStrategy, current: dict[str, int]) -> None:
+    original = strategy.configure_train
+
+    def configure_train(server_round, arrays, config, grid):
+        current["round"] = server_round
+        return original(server_round, arrays, config, grid)
+
+    strategy.configure_train = configure_train  # type: ignore[method-assign]
+
+
+def _assert_mirrors_match(strategy: CompressedStrategy, grid: InProcessGrid) -> int:
+    checked = 0
+    for node_id, context in grid.contexts.items():
+        sid = grid.partition_of(node_id)
+        memory = load_memory(context.state)
+        mirror = strategy.cv.store.get(sid)
+        if mirror is None:
+            assert memory.version == 0 and memory.pending_version == 0
+            continue
+        acked = strategy.accepted_round.get(sid) == memory.pending_round
+        arrays, version = (
+            (memory.pending, memory.pending_version)
+            if acked
+            else (memory.committed, memory.version)
+        )
+        assert mirror.version == version
+        assert set(mirror.arrays) == set(arrays)
+        for name, value in arrays.items():
+            assert np.array_equal(mirror.arrays[name], value), (sid, name)
+        checked += 1
+    return checked
+
+
+def test_mirrors_equal_client_state_under_drops_and_partial_participation() -> None:
+    settings = _settings(fraction_train=0.5)
+    current = {"round": 0}
+    grid = InProcessGrid(make_client_app(), N, tamper=_drop({2: {0, 1, 2, 3}, 4: {1}}, current))
+    strategy = _strategy(settings)
+    _tracking(strategy, current)
+    run_rounds(strategy, grid, _initial(settings), range(1, 9))
+    assert sum(r["replied"] for r in strategy.rounds) >= 10
+    assert all(r["codec"]["resync_requests"] == 0 for r in strategy.rounds)
+    assert _assert_mirrors_match(strategy, grid) == N  # 8 rounds x 2 of 4: all sampled
+    later = [r for r in strategy.rounds[4:] if r["codec"]["residual_over_delta"] is not None]
+    assert later and all(
+        r["codec"]["noise_norm2_mean"] <= 2 * r["codec"]["noise_bound_mean"] for r in later
+    )
+
+
+def test_a_client_that_lost_its_state_resyncs_in_the_same_round() -> None:
+    settings = _settings()
+    grid = InProcessGrid(make_client_app(), N)
+    strategy = _strategy(settings)
+    arrays = run_rounds(strategy, grid, _initial(settings), range(1, 3))
+    wiped = next(iter(grid.contexts.values()))
+    wiped.state = RecordDict()  # a new device, or wiped storage
+    arrays = run_rounds(strategy, grid, arrays, range(3, 5))
+    third, fourth = strategy.rounds[2], strategy.rounds[3]
+    assert (third["replied"], third["resyncs"], third["failures"]) == (N, 1, 0)
+    assert (fourth["replied"], fourth["resyncs"]) == (N, 0)
+    assert _assert_mirrors_match(strategy, grid) == N
+
+
+def test_a_mismatched_mirror_asks_for_a_resync_and_never_decodes_against_it() -> None:
+    settings = _settings()
+    grid = InProcessGrid(make_client_app(), N)
+    strategy = _strategy(settings)
+    arrays = run_rounds(strategy, grid, _initial(settings), range(1, 3))
+    mirror = strategy.cv.store.get(2)
+    strategy.cv.store.put(2, Mirror(mirror.version + 5, mirror.arrays))  # stale or future
+    arrays = run_rounds(strategy, grid, arrays, range(3, 5))
+    third, fourth = strategy.rounds[2], strategy.rounds[3]
+    assert (third["replied"], third["failures"], third["codec"]["resync_requests"]) == (N - 1, 1, 1)
+    assert (fourth["replied"], fourth["resyncs"], fourth["failures"]) == (N, 1, 0)
+    assert _assert_mirrors_match(strategy, grid) == N
+
+
+def _final(settings: Settings, grid, strategy, arrays, rounds):
+    out = run_rounds(strategy, grid, arrays, rounds)
+    return {k: np.array(v.numpy()) for k, v in out.items()}
+
+
+def test_resume_from_a_checkpoint_equals_the_uninterrupted_run() -> None:
+    settings = _settings()
+    grid = InProcessGrid(make_client_app(), N)
+    strategy = _strategy(settings)
+    arrays = run_rounds(strategy, grid, _initial(settings), range(1, 3))
+    checkpoint = copy.deepcopy(strategy.state_dict())
+    client_states = {n: copy.deepcopy(c.state) for n, c in grid.contexts.items()}
+    uninterrupted = _final(settings, grid, strategy, arrays, range(3, 5))
+
+    # A new server process, restored; the clients restored too.
+    grid2 = InProcessGrid(make_client_app(), N)
+    for node_id, state in client_states.items():
+        grid2.contexts[node_id].state = state
+    restored = _strategy(settings)
+    restored.load_state_dict(checkpoint)
+    resumed = _final(settings, grid2, restored, arrays, range(3, 5))
+    assert all(np.array_equal(uninterrupted[k], resumed[k]) for k in uninterrupted)
+
+    # Without the client states: every client resyncs once and the run carries on.
+    grid3 = InProcessGrid(make_client_app(), N)
+    fresh = _strategy(settings)
+    fresh.load_state_dict(checkpoint)
+    _final(settings, grid3, fresh, arrays, range(3, 5))
+    assert [r["resyncs"] for r in fresh.rounds] == [N, 0]
+    assert all(r["replied"] == N for r in fresh.rounds)
+    assert _assert_mirrors_match(fresh, grid3) == N
