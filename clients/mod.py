@@ -43,7 +43,13 @@ from fedcomp.codecs import (
     make_codec,
     make_codec_from_spec,
 )
-from fedcomp.codecs.residual import apply_residual, state_checksum
+from fedcomp.codecs.residual import (
+    SYNC_FULL,
+    SYNC_NORMAL,
+    SYNC_RESTART,
+    apply_residual,
+    state_checksum,
+)
 from fedcomp.keys import (
     KEY_ACK_ROUND,
     KEY_CODEC,
@@ -213,25 +219,32 @@ class CompressionMod:
             covered = {
                 n for n, d in deltas.items() if policy.codec_for(d, codec.inner) is codec.inner
             }
-            # Resync (full precision, both copies reset) when the server asks, or when this
-            # client has no usable state: a new device, wiped state, a changed model.
-            resync = (
-                bool(int(config.get(KEY_RESYNC, 0)))
-                or memory.version == 0
+            # No usable state (a new device, wiped state, a changed model): restart in this
+            # very reply, from h = 0 or with a full-precision resync (the bootstrap
+            # setting). A server that asks for a resync always gets full precision.
+            stateless = (
+                memory.version == 0
                 or set(h) != covered
                 or any(h[n].shape != tuple(deltas[n].shape) for n in covered)
             )
+            if bool(int(config.get(KEY_RESYNC, 0))):
+                sync = SYNC_FULL
+            elif stateless:
+                sync = SYNC_FULL if codec.bootstrap == "fp32" else SYNC_RESTART
+            else:
+                sync = SYNC_NORMAL
+            base = h if sync == SYNC_NORMAL else {}
             payloads, pending, cv_stats = self._encode_residual(
-                codec, policy, deltas, seeds, h, covered, resync
+                codec, policy, deltas, seeds, base, covered, full=sync == SYNC_FULL
             )
             cv_header = {
-                KEY_CV_VERSION: 0 if resync else memory.version,
+                KEY_CV_VERSION: memory.version if sync == SYNC_NORMAL else 0,
                 # Not "": Flower's ConfigRecord.count_bytes raises on empty strings.
-                KEY_CV_CHECKSUM: "none" if resync else state_checksum(h),
-                KEY_RESYNC: int(resync),
+                KEY_CV_CHECKSUM: state_checksum(h) if sync == SYNC_NORMAL else "none",
+                KEY_RESYNC: sync,
             }
-            memory.stage(server_round, pending, 1 if resync else memory.version + 1)
-            if not resync:  # the codec encoded delta - h on the covered tensors
+            memory.stage(server_round, pending, memory.version + 1 if sync == SYNC_NORMAL else 1)
+            if sync == SYNC_NORMAL:  # the codec encoded delta - h on the covered tensors
                 inputs = {
                     n: d - torch.from_numpy(h[n]) if n in covered else d for n, d in deltas.items()
                 }
@@ -303,11 +316,11 @@ class CompressionMod:
         seeds: dict[str, int],
         h: dict[str, np.ndarray],
         covered: set[str],
-        resync: bool,
+        *,
+        full: bool,
     ) -> tuple[dict[str, bytes], dict[str, np.ndarray], dict[str, float]]:
-        """Encode delta - h on the covered tensors; the new h goes to ``pending``.
-
-        A resync sends the covered tensors in fp32 and resets h to them (alpha = 1).
+        """Encode delta - h on the covered tensors (h = 0 where absent); the new h goes
+        to ``pending``. ``full`` sends them in fp32 and sets h = delta (alpha = 1).
         """
         payloads, pending = {}, {}
         stats = dict.fromkeys(
@@ -322,15 +335,16 @@ class CompressionMod:
             delta_np = delta.to(torch.float32).numpy()
             delta2 = float(np.square(delta_np, dtype=np.float64).sum())
             stats[METRIC_CV_DELTA] += delta2
-            if resync:
+            if full:
                 payload = self._fp32.encode(delta, seed=seeds[name])
                 pending[name] = apply_residual(None, self._fp32.decode(payload).numpy(), 1.0)
                 stats[METRIC_CV_RESIDUAL] += delta2
             else:
-                payload, r_hat = memory.encode(delta, h[name], seed=seeds[name])
-                r = delta_np - h[name]
+                base = h.get(name)
+                payload, r_hat = memory.encode(delta, base, seed=seeds[name])
+                r = delta_np if base is None else delta_np - base
                 r2 = float(np.square(r, dtype=np.float64).sum())
-                pending[name] = apply_residual(h[name], r_hat, memory.alpha_for(delta.numel()))
+                pending[name] = apply_residual(base, r_hat, memory.alpha_for(delta.numel()))
                 stats[METRIC_CV_RESIDUAL] += r2
                 stats[METRIC_CV_NOISE] += float(np.square(r_hat - r, dtype=np.float64).sum())
                 stats[METRIC_CV_BOUND] += memory.noise_bound(r2, delta.numel())

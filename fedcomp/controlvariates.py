@@ -19,7 +19,14 @@ from typing import Any
 
 import numpy as np
 
-from fedcomp.codecs.residual import ResidualMemory, apply_residual, state_checksum
+from fedcomp.codecs.residual import (
+    SYNC_FULL,
+    SYNC_NORMAL,
+    SYNC_RESTART,
+    ResidualMemory,
+    apply_residual,
+    state_checksum,
+)
 
 
 @dataclass
@@ -125,20 +132,32 @@ class ControlVariateServer:
         *,
         version: int,
         checksum: str,
-        resync: bool,
+        sync: int,
     ) -> dict[str, np.ndarray]:
         """The client's update from its decoded residuals (or its resync update).
 
         ``decoded`` holds only the tensors under the control variate (the policy's
-        compressed tensors). On success the mirror moves to the version the client's
-        pending state has; on a mismatch, :class:`ResyncRequired` is raised and the
-        client is asked to resync.
+        compressed tensors). ``sync`` says what the reply is (SYNC_NORMAL, SYNC_FULL,
+        SYNC_RESTART). On success the mirror moves to the version the client's pending
+        state has; on a mismatch, :class:`ResyncRequired` is raised and the client is
+        asked for a full-precision resync.
         """
-        if resync:
+        if sync == SYNC_FULL:
             arrays = {k: apply_residual(None, v, 1.0) for k, v in decoded.items()}
             self.store.put(stable_id, Mirror(1, arrays))
             self.resync_requested.discard(stable_id)
             return {k: v.astype(np.float32, copy=False) for k, v in decoded.items()}
+        if sync == SYNC_RESTART:  # against h = 0: the client had no state
+            if stable_id in self.resync_requested:
+                raise ResyncRequired("a full-precision resync was requested, got a restart")
+            arrays = {
+                k: apply_residual(None, v, self.memory.alpha_for(v.size))
+                for k, v in decoded.items()
+            }
+            self.store.put(stable_id, Mirror(1, arrays))
+            return {k: v.astype(np.float32, copy=False) for k, v in decoded.items()}
+        if sync != SYNC_NORMAL:
+            raise ResyncRequired(f"unknown sync mode {sync!r}")
         mirror = self.store.get(stable_id)
         problem = None
         if mirror is None:

@@ -62,6 +62,7 @@ from fedcomp.codecs import (
     parse_payload,
 )
 from fedcomp.codecs.dense import RawCodec
+from fedcomp.codecs.residual import SYNC_FULL, SYNC_RESTART
 from fedcomp.codecs.wire import DTYPE_CODES
 from fedcomp.controlvariates import ControlVariateServer, MirrorStore, ResyncRequired
 from fedcomp.keys import (
@@ -414,16 +415,18 @@ class CompressedStrategy(Strategy):
             if codec_cls.codec_id != RAW_CODEC_ID:
                 covered.add(name)
         if self.cv is not None:  # last: nothing may fail after the mirror moved
-            resync = bool(int(header.get(KEY_RESYNC, 0)))
+            sync = int(header.get(KEY_RESYNC, 0))
             ghat = self.cv.reconstruct(
                 sid,
                 {name: deltas[name] for name in covered},
                 version=int(header.get(KEY_CV_VERSION, -1)),
                 checksum=str(header.get(KEY_CV_CHECKSUM, "")),
-                resync=resync,
+                sync=sync,
             )
             deltas.update(ghat)
-            state.record["resyncs"] = state.record.get("resyncs", 0) + int(resync)
+            counter = {SYNC_FULL: "resyncs", SYNC_RESTART: "restarts"}.get(sync)
+            if counter is not None:
+                state.record[counter] = state.record.get(counter, 0) + 1
         return _Decoded(sid, deltas, float(weight), metrics, msg)
 
     def aggregate_train(
@@ -585,6 +588,7 @@ class CompressedStrategy(Strategy):
             ),
             "server_mirror_bytes": self.cv.store.nbytes(),
             "resync_requests": state.record.get("resync_requests", 0),
+            "restarts": state.record.get("restarts", 0),
         }
 
     def state_dict(self) -> dict[str, Any]:

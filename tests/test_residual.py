@@ -11,7 +11,14 @@ import pytest
 import torch
 
 from fedcomp.codecs import make_codec
-from fedcomp.codecs.residual import ResidualMemory, apply_residual, state_checksum
+from fedcomp.codecs.residual import (
+    SYNC_FULL,
+    SYNC_NORMAL,
+    SYNC_RESTART,
+    ResidualMemory,
+    apply_residual,
+    state_checksum,
+)
 from fedcomp.controlvariates import ControlVariateServer, Mirror, MirrorStore, ResyncRequired
 
 
@@ -103,7 +110,7 @@ def test_quadratic_federated_problem_noise_follows_the_residual() -> None:
         for m in range(clients):
             delta = (-lr * (x - b[m])).astype(np.float32)
             if hs[m] is None:  # first contact: resync with the full update
-                ghat = server.reconstruct(m, {"w": delta}, version=0, checksum="", resync=True)
+                ghat = server.reconstruct(m, {"w": delta}, version=0, checksum="", sync=SYNC_FULL)
                 hs[m], versions[m] = delta.copy(), 1
             else:
                 r = delta - hs[m]
@@ -113,7 +120,7 @@ def test_quadratic_federated_problem_noise_follows_the_residual() -> None:
                     {"w": memory.inner.decode(payload).numpy()},
                     version=versions[m],
                     checksum=state_checksum({"w": hs[m]}),
-                    resync=False,
+                    sync=SYNC_NORMAL,
                 )["w"]
                 ratios.append(
                     float(((r_hat - r) ** 2).sum()) / memory.noise_bound(float((r**2).sum()), d)
@@ -142,12 +149,16 @@ def test_mismatches_ask_for_a_resync_and_decode_nothing() -> None:
         {"version": 5, "checksum": "0" * 16},
     ):
         with pytest.raises(ResyncRequired, match="resync requested"):
-            server.reconstruct(3, {"w": np.zeros(8, np.float32)}, resync=False, **kwargs)
+            server.reconstruct(3, {"w": np.zeros(8, np.float32)}, sync=SYNC_NORMAL, **kwargs)
         assert server.store.get(3).version == 5  # the mirror is untouched
     with pytest.raises(ResyncRequired, match="no control variate"):
-        server.reconstruct(9, {"w": np.zeros(8, np.float32)}, version=1, checksum="", resync=False)
+        server.reconstruct(
+            9, {"w": np.zeros(8, np.float32)}, version=1, checksum="", sync=SYNC_NORMAL
+        )
     assert server.resync_requested == {3, 9}
-    server.reconstruct(3, {"w": np.full(8, 2.0, np.float32)}, version=0, checksum="", resync=True)
+    server.reconstruct(
+        3, {"w": np.full(8, 2.0, np.float32)}, version=0, checksum="", sync=SYNC_FULL
+    )
     assert server.resync_requested == {9}
     assert server.store.get(3).version == 1 and np.array_equal(
         server.store.get(3).arrays["w"], np.full(8, 2.0)
@@ -168,3 +179,19 @@ def test_mirror_store_roundtrip_and_checkpoint(on_disk: bool, tmp_path) -> None:
     assert other.ids() == [2, 7] and np.array_equal(other.get(7).arrays["a"], arrays["a"])
     store.drop(7)
     assert store.get(7) is None and store.ids() == [2]
+
+
+def test_a_restart_decodes_against_zero_and_cannot_dodge_a_requested_resync() -> None:
+    memory = _residual(inner="uniform", bits=4, block=8)
+    server = ControlVariateServer(memory)
+    r_hat = np.linspace(-1, 1, 16).astype(np.float32)
+    ghat = server.reconstruct(4, {"w": r_hat}, version=0, checksum="none", sync=SYNC_RESTART)
+    assert np.array_equal(ghat["w"], r_hat)  # h = 0: the update is the decoded residual
+    mirror = server.store.get(4)
+    assert mirror.version == 1
+    assert np.array_equal(mirror.arrays["w"], apply_residual(None, r_hat, memory.alpha_for(16)))
+    server.resync_requested.add(4)
+    with pytest.raises(ResyncRequired, match="full-precision"):
+        server.reconstruct(4, {"w": r_hat}, version=0, checksum="none", sync=SYNC_RESTART)
+    with pytest.raises(ValueError, match="bootstrap"):
+        make_codec("residual", inner="uniform", bootstrap="ones")

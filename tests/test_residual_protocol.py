@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 
 import numpy as np
+import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 
 from clients.client_app import make_client_app
@@ -116,8 +117,9 @@ def test_mirrors_equal_client_state_under_drops_and_partial_participation() -> N
     )
 
 
-def test_a_client_that_lost_its_state_resyncs_in_the_same_round() -> None:
-    settings = _settings()
+@pytest.mark.parametrize("bootstrap", ["zero", "fp32"])
+def test_a_client_that_lost_its_state_resyncs_in_the_same_round(bootstrap: str) -> None:
+    settings = _settings(codec={**CODEC, "bootstrap": bootstrap})
     grid = InProcessGrid(make_client_app(), N)
     strategy = _strategy(settings)
     arrays = run_rounds(strategy, grid, _initial(settings), range(1, 3))
@@ -125,9 +127,15 @@ def test_a_client_that_lost_its_state_resyncs_in_the_same_round() -> None:
     wiped.state = RecordDict()  # a new device, or wiped storage
     arrays = run_rounds(strategy, grid, arrays, range(3, 5))
     third, fourth = strategy.rounds[2], strategy.rounds[3]
-    assert (third["replied"], third["resyncs"], third["failures"]) == (N, 1, 0)
-    assert (fourth["replied"], fourth["resyncs"]) == (N, 0)
+    # "zero" restarts from h = 0 at the usual size; "fp32" resyncs in full precision.
+    restarted = (third["codec"]["restarts"], third["resyncs"])
+    assert restarted == ((1, 0) if bootstrap == "zero" else (0, 1))
+    assert (third["replied"], third["failures"]) == (N, 0)
+    assert (fourth["replied"], fourth["resyncs"], fourth["codec"]["restarts"]) == (N, 0, 0)
     assert _assert_mirrors_match(strategy, grid) == N
+    if bootstrap == "zero":  # every round costs the same bytes: no fp32 round
+        sizes = {r["uplink_codec_bytes"] for r in strategy.rounds}
+        assert len(sizes) == 1
 
 
 def test_a_mismatched_mirror_asks_for_a_resync_and_never_decodes_against_it() -> None:
@@ -172,6 +180,6 @@ def test_resume_from_a_checkpoint_equals_the_uninterrupted_run() -> None:
     fresh = _strategy(settings)
     fresh.load_state_dict(checkpoint)
     _final(settings, grid3, fresh, arrays, range(3, 5))
-    assert [r["resyncs"] for r in fresh.rounds] == [N, 0]
+    assert [r["codec"]["restarts"] for r in fresh.rounds] == [N, 0]
     assert all(r["replied"] == N for r in fresh.rounds)
     assert _assert_mirrors_match(fresh, grid3) == N

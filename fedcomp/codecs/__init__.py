@@ -55,7 +55,8 @@ def make_codec(name: str, **params: Any) -> Codec | Memory:
         if name == "ef":
             return ErrorFeedback(make_codec(inner, **params))
         alpha = params.pop("alpha", None)
-        return ResidualMemory(make_codec(inner, **params), alpha=alpha)
+        bootstrap = params.pop("bootstrap", "zero")
+        return ResidualMemory(make_codec(inner, **params), alpha=alpha, bootstrap=bootstrap)
     try:
         cls = codec_class(name)
     except ValueError:

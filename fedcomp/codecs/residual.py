@@ -27,6 +27,12 @@ from fedcomp.codecs.base import Codec
 from fedcomp.codecs.memory import Memory
 from fedcomp.codecs.wire import Payload
 
+#: How a reply relates to the control variate (the header's ``fedcomp.resync`` field).
+SYNC_NORMAL = 0  # Q(delta - h) against the committed h of the stated version
+SYNC_FULL = 1  # full-precision delta; both sides set h = delta (alpha = 1)
+SYNC_RESTART = 2  # Q(delta - 0): a client without state restarts from h = 0
+BOOTSTRAPS = ("zero", "fp32")
+
 
 def state_checksum(state: Mapping[str, np.ndarray]) -> str:
     """A short digest of a control variate (names, shapes and float32 bytes, in order)."""
@@ -55,11 +61,16 @@ class ResidualMemory(Memory):
         Step of the control-variate update. Default: 1 / (1 + omega) per tensor, with
         omega the inner codec's variance factor for that tensor's size (the convergence
         limit of the method); a larger value is allowed with a warning naming the limit.
+    bootstrap : {"zero", "fp32"}
+        What a client without state sends (first contact, wiped device): "zero" restarts
+        from h = 0 in the same reply at the codec's usual size (Q(delta) is unbiased, so
+        nothing is lost); "fp32" sends a full-precision resync (h = delta at once, at 32
+        bits per coordinate). A server that finds a MISMATCH always asks for fp32.
     """
 
     name = "residual"
 
-    def __init__(self, inner: Codec, alpha: float | None = None) -> None:
+    def __init__(self, inner: Codec, alpha: float | None = None, bootstrap: str = "zero") -> None:
         if not isinstance(inner, Codec):
             raise ValueError(
                 f"residual: inner must be a stateless codec, got {type(inner).__name__} "
@@ -72,8 +83,11 @@ class ResidualMemory(Memory):
             )
         if alpha is not None and not (isinstance(alpha, int | float) and 0 < alpha <= 1):
             raise ValueError(f"residual: alpha must be in (0, 1], got {alpha!r}")
+        if bootstrap not in BOOTSTRAPS:
+            raise ValueError(f"residual: bootstrap={bootstrap!r}; allowed: {', '.join(BOOTSTRAPS)}")
         self.inner = inner
         self.alpha = alpha
+        self.bootstrap = bootstrap
         self._warned: set[int] = set()
 
     def spec(self) -> dict[str, Any]:
@@ -81,6 +95,8 @@ class ResidualMemory(Memory):
         spec = {"name": self.name, "inner": inner.pop("name"), **inner}
         if self.alpha is not None:
             spec["alpha"] = self.alpha
+        if self.bootstrap != "zero":
+            spec["bootstrap"] = self.bootstrap
         return spec
 
     def alpha_limit(self, numel: int) -> float:
