@@ -160,3 +160,36 @@ def test_compressed_simulation_records_the_real_payload_sizes(spec: dict) -> Non
             assert row["uplink_wire_bytes"] > row["uplink_codec_bytes"]
     assert results["summary"]["ratio_vs_fp32_codec"] > 4
     assert results["summary"]["final_accuracy"] > results["summary"]["initial_accuracy"]
+
+
+def test_paired_report_and_plot_on_a_tiny_sweep(tmp_path: Path) -> None:
+    """The residual experiment's smoke preset runs and its report matches its files."""
+    sweep = tmp_path / "smoke"
+    cmd = [
+        sys.executable,
+        "-m",
+        "experiments.run",
+        "-m",
+        "+experiment=residual_digits_smoke",
+        "num_rounds=2",
+        f"hydra.sweep.dir={sweep}",
+    ]
+    subprocess.run(cmd, cwd=PROJECT_ROOT, check=True, capture_output=True, timeout=900)
+    runs = [load_results(f) for f in sorted(sweep.rglob("results.json"))]
+    assert len(runs) == 4
+    plot = tmp_path / "acc.png"
+    out = subprocess.run(
+        [sys.executable, "-m", "experiments.report", "--paired", str(sweep), "--plot", str(plot)],
+        cwd=PROJECT_ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    assert plot.exists() and plot.stat().st_size > 1000
+    for codec in ("residual", "uniform"):
+        finals = [
+            r["summary"]["final_accuracy"] for r in runs if r["config"]["codec"]["name"] == codec
+        ]
+        assert f"| {codec} |" in out.stdout
+        assert f"{sum(finals) / len(finals):.4f}" in out.stdout
+    assert "Paired residual - direct" in out.stdout
