@@ -69,13 +69,8 @@ def random_subset(seed: int, numel: int, k: int) -> np.ndarray:
     return np.sort(rng.choice(numel, size=k, replace=False, shuffle=False))
 
 
-@register
-class TopKCodec(Codec):
-    """Keep the k largest-magnitude coordinates (biased; pair it with ``ef``)."""
-
-    codec_id = 7
-    name = "topk"
-    unbiased = False
+class _Sparsifier(Codec):
+    """Shared size parameters: keep ``k`` coordinates, or a ``fraction`` (default 1%)."""
 
     def __init__(self, fraction: float | None = None, k: int | None = None) -> None:
         if fraction is None and k is None:
@@ -86,6 +81,15 @@ class TopKCodec(Codec):
     def spec(self) -> dict:
         size = {"k": self.k} if self.k is not None else {"fraction": self.fraction}
         return {"name": self.name, **size}
+
+
+@register
+class TopKCodec(_Sparsifier):
+    """Keep the k largest-magnitude coordinates (biased; pair it with ``ef``)."""
+
+    codec_id = 7
+    name = "topk"
+    unbiased = False
 
     def nominal_bits(self, numel: int) -> float:
         """32 bits per kept value plus the expected varint length of the index gaps,
@@ -136,7 +140,7 @@ class TopKCodec(Codec):
 
 
 @register
-class RandKCodec(Codec):
+class RandKCodec(_Sparsifier):
     """Keep k coordinates chosen by the public seed, scaled by numel / k (unbiased).
 
     No index is sent: the server regenerates them from the seed in the header, which it
@@ -148,16 +152,6 @@ class RandKCodec(Codec):
     name = "randk"
     unbiased = True
     needs_seed = True
-
-    def __init__(self, fraction: float | None = None, k: int | None = None) -> None:
-        if fraction is None and k is None:
-            fraction = 0.01
-        _check_size(fraction, k, self.name)
-        self.fraction, self.k = fraction, k
-
-    def spec(self) -> dict:
-        size = {"k": self.k} if self.k is not None else {"fraction": self.fraction}
-        return {"name": self.name, **size}
 
     def variance_factor(self, numel: int) -> float:
         k = kept(numel, self.fraction, self.k)
