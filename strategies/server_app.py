@@ -23,6 +23,7 @@ from fedcomp.results import build_results, write_results
 from fedcomp.settings import Settings, settings_from_run_config, settings_to_dict, validate
 from fedcomp.training import evaluate
 from strategies.inner import make_inner_strategy
+from strategies.records import fmt
 from strategies.wrapper import CompressedStrategy
 
 log = logging.getLogger(__name__)
@@ -90,21 +91,17 @@ def run_server(
     log.info(
         "done: final accuracy %s (initial %s) | uplink wire %d B in %d rounds | "
         "ratio vs fp32: codec %s wire %s | %.1f s",
-        _fmt(s["final_accuracy"]),
-        _fmt(s["initial_accuracy"]),
+        fmt(s["final_accuracy"]),
+        fmt(s["initial_accuracy"]),
         s["uplink_wire_bytes_total"],
         len(rounds),
-        _fmt(s["ratio_vs_fp32_codec"]),
-        _fmt(s["ratio_vs_fp32_wire"]),
+        fmt(s["ratio_vs_fp32_codec"]),
+        fmt(s["ratio_vs_fp32_wire"]),
         s["wall_s"],
     )
     if settings.results_path:
         write_results(settings.results_path, results)
     return results
-
-
-def _fmt(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.4f}"
 
 
 def make_server_app(

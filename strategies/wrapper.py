@@ -21,14 +21,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 from flwr.app import (
     Array,
     ArrayRecord,
@@ -56,14 +54,9 @@ from fedcomp.codecs import (
     PayloadError,
     ResidualMemory,
     TensorPolicy,
-    codec_class_by_id,
-    decode_bytes,
     make_codec_from_spec,
-    parse_payload,
 )
-from fedcomp.codecs.dense import RawCodec
 from fedcomp.codecs.residual import SYNC_FULL, SYNC_RESTART
-from fedcomp.codecs.wire import DTYPE_CODES
 from fedcomp.controlvariates import ControlVariateServer, MirrorStore, ResyncRequired
 from fedcomp.keys import (
     KEY_ACK_ROUND,
@@ -77,25 +70,16 @@ from fedcomp.keys import (
     KEY_RESYNC,
     KEY_ROUND,
     KEY_RUN_SEED,
-    KEY_STABLE_ID,
     KEY_TASK,
-    METRIC_CODEC_BYTES,
-    METRIC_CV_BOUND,
-    METRIC_CV_DELTA,
-    METRIC_CV_NOISE,
-    METRIC_CV_RESIDUAL,
-    METRIC_ENCODE_S,
-    METRIC_FP32_CODEC_BYTES,
-    METRIC_FP32_CONTENT_WIRE_BYTES,
-    METRIC_REL_ERROR,
-    METRIC_STATE_BYTES,
     PROTOCOL_VERSION,
-    RECORD_HEADER,
     RECORD_PAYLOAD,
 )
-from fedcomp.rng import derive_seed, numpy_generator
+from fedcomp.rng import numpy_generator
 from fedcomp.settings import HANDOFFS
 from strategies.accounting import record_bytes, wire_bytes
+from strategies.identity import StableIds
+from strategies.records import account_reply, empty_client_row, log_line, round_record
+from strategies.validation import ReplyError, check_reply, compressed_names, decode_payloads
 
 log = logging.getLogger(__name__)
 
@@ -107,13 +91,6 @@ MEAN_BASED = (FedAvg, FedAvgM, FedProx, FedAdam, FedYogi, FedAdagrad)
 #: Client metric names starting with this prefix are fedcomp's own; they are
 #: aggregated here and not handed to the inner strategy.
 _OWN_PREFIX = "fedcomp."
-
-
-RAW_CODEC_ID = RawCodec.codec_id
-
-
-class ReplyError(ValueError):
-    """A reply that fails validation; it becomes a logged failure for that client."""
 
 
 @dataclass
@@ -136,23 +113,6 @@ class _RoundState:
     record: dict[str, Any] = field(default_factory=dict)
     per_client: dict[int, dict[str, Any]] = field(default_factory=dict)
     tensor_codecs: dict[str, str] = field(default_factory=dict)
-
-
-def _torch_dtype(array: np.ndarray) -> torch.dtype:
-    return torch.from_numpy(np.empty(0, dtype=array.dtype)).dtype
-
-
-def _empty_client_row(stable_id: int) -> dict[str, Any]:
-    return {
-        "client": stable_id,
-        "uplink_codec_bytes": 0,
-        "uplink_record_bytes": 0,
-        "uplink_wire_bytes": 0,
-        "downlink_record_bytes": 0,
-        "downlink_wire_bytes": 0,
-        "encode_s": 0.0,
-        "num_examples": 0,
-    }
 
 
 class CompressedStrategy(Strategy):
@@ -242,8 +202,6 @@ class CompressedStrategy(Strategy):
         )
         self.identity_timeout = identity_timeout
         self.on_round = on_round
-
-        from strategies.identity import StableIds  # local: keeps import cycles impossible
 
         self.ids = StableIds()
         self.rounds: list[dict[str, Any]] = []
@@ -353,7 +311,7 @@ class CompressedStrategy(Strategy):
         selected = self._sample(server_round, self.fraction_train, "train-sample")
         state.sent = self._per_client_messages(template, selected, server_round, MessageType.TRAIN)
         for sid, msg in state.sent.items():
-            row = state.per_client.setdefault(sid, _empty_client_row(sid))
+            row = state.per_client.setdefault(sid, empty_client_row(sid))
             row["downlink_record_bytes"] = record_bytes(msg.content)
             row["downlink_wire_bytes"] = wire_bytes(msg)
         state.record["selected"] = len(selected)
@@ -364,61 +322,21 @@ class CompressedStrategy(Strategy):
         sid = self.ids.stable_of(node_id)
         if sid is None or sid not in state.sent:
             raise ReplyError(f"reply from node {node_id}, which was not asked this round")
-        content = msg.content
-        header = content.config_records.get(RECORD_HEADER)
-        if header is None:
-            raise ReplyError(
-                f"no '{RECORD_HEADER}' record: add clients.mod.CompressionMod to the ClientApp"
-            )
-        if int(header.get(KEY_PROTOCOL, -1)) != PROTOCOL_VERSION:
-            raise ReplyError(f"protocol version {header.get(KEY_PROTOCOL)!r} != {PROTOCOL_VERSION}")
-        if header.get(KEY_STABLE_ID) != sid:
-            raise ReplyError(
-                f"header claims stable id {header.get(KEY_STABLE_ID)!r}, node is {sid}"
-            )
-        if header.get(KEY_ROUND) != state.number:
-            raise ReplyError(f"header is for round {header.get(KEY_ROUND)!r}, not {state.number}")
-        metrics = content.metric_records.get("metrics")
-        if metrics is None or KEY_NUM_EXAMPLES not in metrics:
-            raise ReplyError(f"metrics lack '{KEY_NUM_EXAMPLES}'")
-        weight = metrics[KEY_NUM_EXAMPLES]
-        if isinstance(weight, list) or not math.isfinite(weight) or weight <= 0:
-            raise ReplyError(f"invalid {KEY_NUM_EXAMPLES}={weight!r}")
-        payloads = content.array_records.get(RECORD_PAYLOAD)
-        if payloads is None:
-            raise ReplyError(f"no '{RECORD_PAYLOAD}' record")
-        if list(payloads.keys()) != list(state.global_arrays):
-            raise ReplyError("payload tensor names differ from the global model's")
-        deltas, covered = {}, set()
-        for name, reference in state.global_arrays.items():
-            buf = payloads[name].data
-            header_ = parse_payload(buf).header
-            # Check the claimed shape and dtype BEFORE decoding allocates anything.
-            if header_.shape != reference.shape:
-                raise ReplyError(f"{name}: shape {header_.shape} != global {reference.shape}")
-            if DTYPE_CODES[header_.dtype] != DTYPE_CODES[_torch_dtype(reference)]:
-                raise ReplyError(f"{name}: dtype {header_.dtype} != global {reference.dtype}")
-            codec_cls = codec_class_by_id(header_.codec_id)
-            if codec_cls is None:
-                raise ReplyError(f"{name}: unknown codec id {header_.codec_id}")
-            # Codecs that regenerate public draws carry the derived seed: it must be
-            # the one the server derives itself, or decoding would use other draws.
-            needs = codec_cls.needs_seed
-            expected_seed = derive_seed(self.run_seed, state.number, sid, name) if needs else 0
-            if header_.seed != expected_seed:
-                raise ReplyError(f"{name}: seed in header does not match the server's")
-            delta = decode_bytes(buf).numpy()
-            if delta.dtype.kind == "f" and not np.isfinite(delta).all():
-                raise ReplyError(f"{name}: non-finite values in the update")
-            deltas[name] = delta
-            state.tensor_codecs.setdefault(name, codec_cls.name)
-            if codec_cls.codec_id != RAW_CODEC_ID:
-                covered.add(name)
+        header, metrics, weight, payloads = check_reply(msg.content, sid, state.number)
+        deltas, codecs = decode_payloads(
+            payloads,
+            state.global_arrays,
+            run_seed=self.run_seed,
+            server_round=state.number,
+            stable_id=sid,
+        )
+        for name, codec in codecs.items():
+            state.tensor_codecs.setdefault(name, codec)
         if self.cv is not None:  # last: nothing may fail after the mirror moved
             sync = int(header.get(KEY_RESYNC, 0))
             ghat = self.cv.reconstruct(
                 sid,
-                {name: deltas[name] for name in covered},
+                {name: deltas[name] for name in compressed_names(codecs)},
                 version=int(header.get(KEY_CV_VERSION, -1)),
                 checksum=str(header.get(KEY_CV_CHECKSUM, "")),
                 sync=sync,
@@ -427,7 +345,7 @@ class CompressedStrategy(Strategy):
             counter = {SYNC_FULL: "resyncs", SYNC_RESTART: "restarts"}.get(sync)
             if counter is not None:
                 state.record[counter] = state.record.get(counter, 0) + 1
-        return _Decoded(sid, deltas, float(weight), metrics, msg)
+        return _Decoded(sid, deltas, weight, metrics, msg)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -442,9 +360,7 @@ class CompressedStrategy(Strategy):
         failures = nonfinite = 0
         for msg in replies:
             sid = self.ids.stable_of(msg.metadata.src_node_id)
-            row = (
-                state.per_client.setdefault(sid, _empty_client_row(sid)) if sid is not None else {}
-            )
+            row = state.per_client.setdefault(sid, empty_client_row(sid)) if sid is not None else {}
             row["uplink_wire_bytes"] = wire_bytes(msg)
             if msg.has_error():
                 failures += 1
@@ -468,7 +384,7 @@ class CompressedStrategy(Strategy):
                 nonfinite += "non-finite" in str(exc)
                 log.warning("round %d: rejected reply of client %s: %s", server_round, sid, exc)
                 continue
-            self._account_reply(row, item)
+            account_reply(row, item.message.content[RECORD_PAYLOAD], item.metrics, item.weight)
             decoded.append(item)
             self.accepted_round[item.stable_id] = server_round
         decode_s = time.perf_counter() - t0
@@ -485,32 +401,6 @@ class CompressedStrategy(Strategy):
             aggregate_s=aggregate_s,
         )
         return arrays, metrics
-
-    def _account_reply(self, row: dict[str, Any], item: _Decoded) -> None:
-        payloads = item.message.content[RECORD_PAYLOAD]
-        row["uplink_codec_bytes"] = sum(len(a.data) for a in payloads.values())
-        row["encode_s"] = float(item.metrics.get(METRIC_ENCODE_S, 0.0))
-        row["num_examples"] = int(item.weight)
-        row["client_codec_bytes"] = int(item.metrics.get(METRIC_CODEC_BYTES, -1))
-        for key in (
-            METRIC_CV_RESIDUAL,
-            METRIC_CV_DELTA,
-            METRIC_CV_NOISE,
-            METRIC_CV_BOUND,
-            METRIC_STATE_BYTES,
-        ):
-            if key in item.metrics:
-                row[key.removeprefix("fedcomp.")] = float(item.metrics[key])
-        if METRIC_REL_ERROR in item.metrics:
-            row["codec_rel_error"] = float(item.metrics[METRIC_REL_ERROR])
-        if METRIC_FP32_CODEC_BYTES in item.metrics:
-            payload_only_wire = wire_bytes(RecordDict({RECORD_PAYLOAD: payloads}))
-            row["fp32_codec_bytes"] = int(item.metrics[METRIC_FP32_CODEC_BYTES])
-            row["fp32_wire_bytes"] = (
-                row["uplink_wire_bytes"]
-                - payload_only_wire
-                + int(item.metrics[METRIC_FP32_CONTENT_WIRE_BYTES])
-            )
 
     def _client_metrics(self, item: _Decoded) -> MetricRecord:
         return MetricRecord(
@@ -567,29 +457,6 @@ class CompressedStrategy(Strategy):
                 )
             ]
         return self.strategy.aggregate_train(server_round, replies)
-
-    def _residual_summary(
-        self, state: _RoundState, measured: list[dict[str, Any]]
-    ) -> dict[str, Any]:
-        """Per-round residual statistics (means over decoded, non-resync replies)."""
-        if self.cv is None:
-            return {}
-        coded = [r for r in measured if r.get("cv-noise-bound", 0) > 0]
-        residual = _mean([r["cv-residual-norm2"] for r in coded])
-        delta = _mean([r["cv-delta-norm2"] for r in coded])
-        return {
-            "residual_norm2_mean": residual,
-            "delta_norm2_mean": delta,
-            "residual_over_delta": residual / delta if residual is not None and delta else None,
-            "noise_norm2_mean": _mean([r["cv-noise-norm2"] for r in coded]),
-            "noise_bound_mean": _mean([r["cv-noise-bound"] for r in coded]),
-            "client_state_bytes_mean": _mean(
-                [r["state-bytes"] for r in measured if "state-bytes" in r]
-            ),
-            "server_mirror_bytes": self.cv.store.nbytes(),
-            "resync_requests": state.record.get("resync_requests", 0),
-            "restarts": state.record.get("restarts", 0),
-        }
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapper's own state (for checkpoints); public randomness needs none."""
@@ -653,67 +520,19 @@ class CompressedStrategy(Strategy):
         state = self._state
         if state is None or state.number != server_round:
             return
-        rows = [state.per_client[sid] for sid in sorted(state.per_client)]
-        rec = state.record
-        measured = [r for r in rows if "fp32_codec_bytes" in r]  # decoded replies only
-        fp32_codec = sum(r["fp32_codec_bytes"] for r in measured)
-        fp32_wire = sum(r["fp32_wire_bytes"] for r in measured)
-        sent_codec = sum(r["uplink_codec_bytes"] for r in measured)
-        sent_wire = sum(r["uplink_wire_bytes"] for r in measured)
-        record: dict[str, Any] = {
-            "round": server_round,
-            "accuracy": central_dict.get("accuracy"),
-            "loss": central_dict.get("loss"),
-            "client_accuracy": rec.get("client_accuracy"),
-            "client_loss": rec.get("client_loss"),
-            "uplink_codec_bytes": sum(r["uplink_codec_bytes"] for r in rows),
-            "uplink_record_bytes": sum(r["uplink_record_bytes"] for r in rows),
-            "uplink_wire_bytes": sum(r["uplink_wire_bytes"] for r in rows),
-            "downlink_record_bytes": sum(r["downlink_record_bytes"] for r in rows),
-            "downlink_wire_bytes": sum(r["downlink_wire_bytes"] for r in rows),
-            "per_client": rows,
-            "decode_s": rec.get("decode_s", 0.0),
-            "aggregate_s": rec.get("aggregate_s", 0.0),
-            "round_s": time.perf_counter() - state.t_start,
-            "selected": rec.get("selected", 0),
-            "replied": rec.get("replied", 0),
-            "failures": rec.get("failures", 0),
-            "resyncs": rec.get("resyncs", 0),
-            "nonfinite": rec.get("nonfinite", 0),
-            "faults": {},
-            "codec": {
-                "spec": json.loads(self.codec_json),
-                "fp32_codec_bytes": fp32_codec,
-                "fp32_wire_bytes": fp32_wire,
-                "decoded_codec_bytes": sent_codec,
-                "decoded_wire_bytes": sent_wire,
-                "ratio_vs_fp32_codec": fp32_codec / sent_codec if sent_codec else None,
-                "ratio_vs_fp32_wire": fp32_wire / sent_wire if sent_wire else None,
-                "per_tensor": dict(state.tensor_codecs),
-                "client_rel_error_mean": _mean(
-                    [r["codec_rel_error"] for r in measured if "codec_rel_error" in r]
-                ),
-                **self._residual_summary(state, measured),
-            },
-        }
+        record = round_record(
+            server_round,
+            central_dict,
+            state.record,
+            [state.per_client[sid] for sid in sorted(state.per_client)],
+            round_s=time.perf_counter() - state.t_start,
+            codec_spec=json.loads(self.codec_json),
+            tensor_codecs=state.tensor_codecs,
+            cv=self.cv,
+        )
         self.rounds.append(record)
         self._state = None
-        log.info(
-            "round %d/%d | accuracy %s loss %s | client acc %s | up codec %s record %s wire %s"
-            " | down wire %s | %d/%d replied | %.2f s",
-            server_round,
-            self._num_rounds,
-            _fmt(record["accuracy"]),
-            _fmt(record["loss"]),
-            _fmt(record["client_accuracy"]),
-            _human(record["uplink_codec_bytes"]),
-            _human(record["uplink_record_bytes"]),
-            _human(record["uplink_wire_bytes"]),
-            _human(record["downlink_wire_bytes"]),
-            record["replied"],
-            record["selected"],
-            record["round_s"],
-        )
+        log.info(log_line(record, self._num_rounds))
         if self.on_round is not None:
             self.on_round(record)
 
@@ -723,19 +542,3 @@ def _short(reason: str, limit: int = 300) -> str:
     lines = [line.strip() for line in str(reason).splitlines() if line.strip()]
     text = lines[-1] if lines else ""
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _mean(values: list[float]) -> float | None:
-    return sum(values) / len(values) if values else None
-
-
-def _human(num_bytes: int) -> str:
-    """Bytes for the log line (results.json keeps exact integers)."""
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if num_bytes >= size:
-            return f"{num_bytes / size:.3f} {unit}"
-    return f"{num_bytes} B"
-
-
-def _fmt(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.4f}"

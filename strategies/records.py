@@ -1,0 +1,178 @@
+"""The per-round record of results.json, assembled from what the wrapper measured."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from flwr.app import ArrayRecord, MetricRecord, RecordDict
+
+from fedcomp.controlvariates import ControlVariateServer
+from fedcomp.keys import (
+    METRIC_CODEC_BYTES,
+    METRIC_CV_BOUND,
+    METRIC_CV_DELTA,
+    METRIC_CV_NOISE,
+    METRIC_CV_RESIDUAL,
+    METRIC_ENCODE_S,
+    METRIC_FP32_CODEC_BYTES,
+    METRIC_FP32_CONTENT_WIRE_BYTES,
+    METRIC_REL_ERROR,
+    METRIC_STATE_BYTES,
+    RECORD_PAYLOAD,
+)
+from strategies.accounting import wire_bytes
+
+#: Client metrics copied into each client's row (without the "fedcomp." prefix).
+_COPIED = (
+    METRIC_CV_RESIDUAL,
+    METRIC_CV_DELTA,
+    METRIC_CV_NOISE,
+    METRIC_CV_BOUND,
+    METRIC_STATE_BYTES,
+)
+
+
+def empty_client_row(stable_id: int) -> dict[str, Any]:
+    """A client's row before anything was measured."""
+    return {
+        "client": stable_id,
+        "uplink_codec_bytes": 0,
+        "uplink_record_bytes": 0,
+        "uplink_wire_bytes": 0,
+        "downlink_record_bytes": 0,
+        "downlink_wire_bytes": 0,
+        "encode_s": 0.0,
+        "num_examples": 0,
+    }
+
+
+def account_reply(
+    row: dict[str, Any], payloads: ArrayRecord, metrics: MetricRecord, weight: float
+) -> None:
+    """Fill a decoded reply's row: measured codec bytes, the client's own metrics, and
+    the fp32 reference (its wire bytes = the reply's minus its payload record's plus
+    the client-measured fp32 payload record's)."""
+    row["uplink_codec_bytes"] = sum(len(a.data) for a in payloads.values())
+    row["encode_s"] = float(metrics.get(METRIC_ENCODE_S, 0.0))
+    row["num_examples"] = int(weight)
+    row["client_codec_bytes"] = int(metrics.get(METRIC_CODEC_BYTES, -1))
+    for key in _COPIED:
+        if key in metrics:
+            row[key.removeprefix("fedcomp.")] = float(metrics[key])
+    if METRIC_REL_ERROR in metrics:
+        row["codec_rel_error"] = float(metrics[METRIC_REL_ERROR])
+    if METRIC_FP32_CODEC_BYTES in metrics:
+        payload_only_wire = wire_bytes(RecordDict({RECORD_PAYLOAD: payloads}))
+        row["fp32_codec_bytes"] = int(metrics[METRIC_FP32_CODEC_BYTES])
+        row["fp32_wire_bytes"] = (
+            row["uplink_wire_bytes"]
+            - payload_only_wire
+            + int(metrics[METRIC_FP32_CONTENT_WIRE_BYTES])
+        )
+
+
+def mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def residual_summary(
+    cv: ControlVariateServer | None, counts: Mapping[str, Any], measured: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """Per-round residual statistics (means over decoded replies that coded a residual)."""
+    if cv is None:
+        return {}
+    coded = [r for r in measured if r.get("cv-noise-bound", 0) > 0]
+    residual = mean([r["cv-residual-norm2"] for r in coded])
+    delta = mean([r["cv-delta-norm2"] for r in coded])
+    return {
+        "residual_norm2_mean": residual,
+        "delta_norm2_mean": delta,
+        "residual_over_delta": residual / delta if residual is not None and delta else None,
+        "noise_norm2_mean": mean([r["cv-noise-norm2"] for r in coded]),
+        "noise_bound_mean": mean([r["cv-noise-bound"] for r in coded]),
+        "client_state_bytes_mean": mean([r["state-bytes"] for r in measured if "state-bytes" in r]),
+        "server_mirror_bytes": cv.store.nbytes(),
+        "resync_requests": counts.get("resync_requests", 0),
+        "restarts": counts.get("restarts", 0),
+    }
+
+
+def round_record(
+    server_round: int,
+    central: Mapping[str, float],
+    counts: Mapping[str, Any],
+    rows: list[dict[str, Any]],
+    *,
+    round_s: float,
+    codec_spec: Mapping[str, Any],
+    tensor_codecs: Mapping[str, str],
+    cv: ControlVariateServer | None,
+) -> dict[str, Any]:
+    """One round of results.json (fedcomp.results gives the shape)."""
+    measured = [r for r in rows if "fp32_codec_bytes" in r]  # decoded replies only
+    fp32_codec = sum(r["fp32_codec_bytes"] for r in measured)
+    fp32_wire = sum(r["fp32_wire_bytes"] for r in measured)
+    sent_codec = sum(r["uplink_codec_bytes"] for r in measured)
+    sent_wire = sum(r["uplink_wire_bytes"] for r in measured)
+    return {
+        "round": server_round,
+        "accuracy": central.get("accuracy"),
+        "loss": central.get("loss"),
+        "client_accuracy": counts.get("client_accuracy"),
+        "client_loss": counts.get("client_loss"),
+        "uplink_codec_bytes": sum(r["uplink_codec_bytes"] for r in rows),
+        "uplink_record_bytes": sum(r["uplink_record_bytes"] for r in rows),
+        "uplink_wire_bytes": sum(r["uplink_wire_bytes"] for r in rows),
+        "downlink_record_bytes": sum(r["downlink_record_bytes"] for r in rows),
+        "downlink_wire_bytes": sum(r["downlink_wire_bytes"] for r in rows),
+        "per_client": rows,
+        "decode_s": counts.get("decode_s", 0.0),
+        "aggregate_s": counts.get("aggregate_s", 0.0),
+        "round_s": round_s,
+        "selected": counts.get("selected", 0),
+        "replied": counts.get("replied", 0),
+        "failures": counts.get("failures", 0),
+        "resyncs": counts.get("resyncs", 0),
+        "nonfinite": counts.get("nonfinite", 0),
+        "faults": {},
+        "codec": {
+            "spec": dict(codec_spec),
+            "fp32_codec_bytes": fp32_codec,
+            "fp32_wire_bytes": fp32_wire,
+            "decoded_codec_bytes": sent_codec,
+            "decoded_wire_bytes": sent_wire,
+            "ratio_vs_fp32_codec": fp32_codec / sent_codec if sent_codec else None,
+            "ratio_vs_fp32_wire": fp32_wire / sent_wire if sent_wire else None,
+            "per_tensor": dict(tensor_codecs),
+            "client_rel_error_mean": mean(
+                [r["codec_rel_error"] for r in measured if "codec_rel_error" in r]
+            ),
+            **residual_summary(cv, counts, measured),
+        },
+    }
+
+
+def human_bytes(num_bytes: int) -> str:
+    """Bytes for the log line (results.json keeps exact integers)."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if num_bytes >= size:
+            return f"{num_bytes / size:.3f} {unit}"
+    return f"{num_bytes} B"
+
+
+def fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4f}"
+
+
+def log_line(record: Mapping[str, Any], num_rounds: int) -> str:
+    """The one line printed per round."""
+    return (
+        f"round {record['round']}/{num_rounds} | accuracy {fmt(record['accuracy'])} "
+        f"loss {fmt(record['loss'])} | client acc {fmt(record['client_accuracy'])} "
+        f"| up codec {human_bytes(record['uplink_codec_bytes'])} "
+        f"record {human_bytes(record['uplink_record_bytes'])} "
+        f"wire {human_bytes(record['uplink_wire_bytes'])} "
+        f"| down wire {human_bytes(record['downlink_wire_bytes'])} "
+        f"| {record['replied']}/{record['selected']} replied | {record['round_s']:.2f} s"
+    )
