@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -33,7 +34,7 @@ from flwr.clientapp.typing import ClientAppCallable
 from flwr.common.constant import ErrorCode
 
 from clients.identity import stable_id_of
-from clients.memory_state import load_memory, store_memory
+from clients.memory_state import MemoryState, load_memory, store_memory
 from fedcomp.codecs import (
     Codec,
     ErrorFeedback,
@@ -80,6 +81,19 @@ from fedcomp.keys import (
 from fedcomp.rng import derive_seed
 
 _WRAPPER = "strategies.wrapper.CompressedStrategy"
+
+
+@dataclass
+class _Encoded:
+    """What encoding one reply produced (payloads, and for memories the new state)."""
+
+    payloads: dict[str, bytes]
+    inputs: dict[str, torch.Tensor]  # what the codec was asked to encode (error metric)
+    memory: MemoryState | None = None
+    pending: dict[str, np.ndarray] = field(default_factory=dict)
+    pending_version: int = 0
+    header: dict[str, int | str] = field(default_factory=dict)
+    stats: dict[str, float] = field(default_factory=dict)
 
 
 def _precondition_error(msg: Message, reason: str) -> Message:
@@ -199,72 +213,28 @@ class CompressionMod:
             for name in global_record.keys()
         }
         seeds = {name: derive_seed(run_seed, server_round, stable_id, name) for name in deltas}
-        memory = None
-        inputs = deltas  # what the codec was asked to encode, for the error metric
-        carried: dict[str, np.ndarray] = {}
-        pending: dict[str, np.ndarray] = {}
+        ack = int(config.get(KEY_ACK_ROUND, -1))
         t0 = time.perf_counter()
-        cv_header: dict[str, int | str] = {}
-        cv_stats: dict[str, float] = {}
         if isinstance(codec, ErrorFeedback):
-            memory = load_memory(ctxt.state)
-            carried = memory.begin_round(
-                int(config.get(KEY_ACK_ROUND, -1)), json.dumps(codec.spec())
-            )
-            payloads, pending = self._encode_with_feedback(codec, policy, deltas, seeds, carried)
-            memory.stage(server_round, pending)
+            encoded = self._encode_feedback_reply(codec, policy, deltas, seeds, ctxt, ack)
         elif isinstance(codec, ResidualMemory):
-            memory = load_memory(ctxt.state)
-            h = memory.begin_round(int(config.get(KEY_ACK_ROUND, -1)), json.dumps(codec.spec()))
-            covered = {
-                n for n, d in deltas.items() if policy.codec_for(d, codec.inner) is codec.inner
-            }
-            # No usable state (a new device, wiped state, a changed model): restart in this
-            # very reply, from h = 0 or with a full-precision resync (the bootstrap
-            # setting). A server that asks for a resync always gets full precision.
-            stateless = (
-                memory.version == 0
-                or set(h) != covered
-                or any(h[n].shape != tuple(deltas[n].shape) for n in covered)
+            resync_asked = bool(int(config.get(KEY_RESYNC, 0)))
+            encoded = self._encode_residual_reply(
+                codec, policy, deltas, seeds, ctxt, ack, resync_asked
             )
-            if bool(int(config.get(KEY_RESYNC, 0))):
-                sync = SYNC_FULL
-            elif stateless:
-                sync = SYNC_FULL if codec.bootstrap == "fp32" else SYNC_RESTART
-            else:
-                sync = SYNC_NORMAL
-            base = h if sync == SYNC_NORMAL else {}
-            payloads, pending, cv_stats = self._encode_residual(
-                codec, policy, deltas, seeds, base, covered, full=sync == SYNC_FULL
-            )
-            cv_header = {
-                KEY_CV_VERSION: memory.version if sync == SYNC_NORMAL else 0,
-                # Not "": Flower's ConfigRecord.count_bytes raises on empty strings.
-                KEY_CV_CHECKSUM: state_checksum(h) if sync == SYNC_NORMAL else "none",
-                KEY_RESYNC: sync,
-            }
-            memory.stage(server_round, pending, memory.version + 1 if sync == SYNC_NORMAL else 1)
-            if sync == SYNC_NORMAL:  # the codec encoded delta - h on the covered tensors
-                inputs = {
-                    n: d - torch.from_numpy(h[n]) if n in covered else d for n, d in deltas.items()
-                }
         else:
-            payloads = self._encode_all(codec, policy, deltas, seeds)
+            encoded = _Encoded(self._encode_all(codec, policy, deltas, seeds), inputs=deltas)
         encode_s = time.perf_counter() - t0
-        if isinstance(codec, ErrorFeedback):  # EF encodes delta + carried error
-            inputs = {
-                n: d + torch.from_numpy(carried[n])
-                if n in pending and n in carried and carried[n].shape == tuple(d.shape)
-                else d
-                for n, d in deltas.items()
-            }
+        payloads, memory = encoded.payloads, encoded.memory
+        if memory is not None:
+            memory.stage(server_round, encoded.pending, encoded.pending_version)
 
         out_metrics = MetricRecord(dict(metrics))
         out_metrics[METRIC_ENCODE_S] = encode_s
         out_metrics[METRIC_CODEC_BYTES] = sum(len(b) for b in payloads.values())
         if self.measure_error:
-            out_metrics[METRIC_REL_ERROR] = relative_error(payloads, inputs)
-        for key, value in cv_stats.items():
+            out_metrics[METRIC_REL_ERROR] = relative_error(payloads, encoded.inputs)
+        for key, value in encoded.stats.items():
             out_metrics[key] = value
         if memory is not None:
             out_metrics[METRIC_STATE_BYTES] = memory.nbytes
@@ -280,7 +250,7 @@ class CompressionMod:
                 KEY_PROTOCOL: PROTOCOL_VERSION,
                 KEY_ROUND: server_round,
                 KEY_CODEC: json.dumps(codec.spec(), sort_keys=True),
-                **cv_header,
+                **encoded.header,
             }
         )
         content = payload_content(payloads)
@@ -290,6 +260,78 @@ class CompressionMod:
         if memory is not None:
             store_memory(ctxt.state, memory)  # last: nothing after this can fail
         return reply
+
+    def _encode_feedback_reply(
+        self,
+        codec: ErrorFeedback,
+        policy: TensorPolicy,
+        deltas: dict[str, torch.Tensor],
+        seeds: dict[str, int],
+        ctxt: Context,
+        ack: int,
+    ) -> _Encoded:
+        memory = load_memory(ctxt.state)
+        carried = memory.begin_round(ack, json.dumps(codec.spec()))
+        payloads, pending = self._encode_with_feedback(codec, policy, deltas, seeds, carried)
+        inputs = {  # EF encodes delta + the carried error
+            n: d + torch.from_numpy(carried[n])
+            if n in pending and n in carried and carried[n].shape == tuple(d.shape)
+            else d
+            for n, d in deltas.items()
+        }
+        return _Encoded(payloads, inputs=inputs, memory=memory, pending=pending)
+
+    def _encode_residual_reply(
+        self,
+        codec: ResidualMemory,
+        policy: TensorPolicy,
+        deltas: dict[str, torch.Tensor],
+        seeds: dict[str, int],
+        ctxt: Context,
+        ack: int,
+        resync_asked: bool,
+    ) -> _Encoded:
+        memory = load_memory(ctxt.state)
+        h = memory.begin_round(ack, json.dumps(codec.spec()))
+        covered = {n for n, d in deltas.items() if policy.codec_for(d, codec.inner) is codec.inner}
+        # No usable state (a new device, wiped state, a changed model): restart in this
+        # very reply, from h = 0 or with a full-precision resync (the bootstrap setting).
+        # A server that asks for a resync always gets full precision.
+        stateless = (
+            memory.version == 0
+            or set(h) != covered
+            or any(h[n].shape != tuple(deltas[n].shape) for n in covered)
+        )
+        if resync_asked:
+            sync = SYNC_FULL
+        elif stateless:
+            sync = SYNC_FULL if codec.bootstrap == "fp32" else SYNC_RESTART
+        else:
+            sync = SYNC_NORMAL
+        normal = sync == SYNC_NORMAL
+        payloads, pending, stats = self._encode_residual(
+            codec, policy, deltas, seeds, h if normal else {}, covered, full=sync == SYNC_FULL
+        )
+        header = {
+            KEY_CV_VERSION: memory.version if normal else 0,
+            # Not "": Flower's ConfigRecord.count_bytes raises on empty strings.
+            KEY_CV_CHECKSUM: state_checksum(h) if normal else "none",
+            KEY_RESYNC: sync,
+        }
+        inputs = (  # the codec encoded delta - h on the covered tensors
+            {n: d - torch.from_numpy(h[n]) if n in covered else d for n, d in deltas.items()}
+            if normal
+            else deltas
+        )
+        return _Encoded(
+            payloads,
+            inputs=inputs,
+            memory=memory,
+            pending=pending,
+            pending_version=memory.version + 1 if normal else 1,
+            header=header,
+            stats=stats,
+        )
 
     def _policy(self, config: ConfigRecord) -> TensorPolicy:
         if KEY_POLICY not in config:
