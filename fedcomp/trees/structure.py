@@ -1,0 +1,140 @@
+"""Reduction trees as nested tuples, and the quantities their rounding error depends on.
+
+A tree over k leaves is a leaf index (k = 1) or a pair ``(left, right)`` of trees;
+e.g. ``((0, 1), (2, (3, 4)))``. Summing k values along it takes exactly k - 1 rounded
+additions. A rounded addition of a value s adds noise of variance about nu u^2 s^2, so
+the tree-dependent part of the error of the sum of leaf vector p is p^T K_T p, where
+``K_T[i, j]`` counts the internal nodes that are ancestors of both leaves i and j.
+For i.i.d. leaves with mean mu and variance tau^2, E[p^T K_T p] = tau^2 Lambda_1 +
+mu^2 Lambda_2 with Lambda_1 = sum of leaf depths and Lambda_2 = sum over internal nodes
+of |leaves below|^2.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Union
+
+import numpy as np
+
+Tree = Union[int, tuple["Tree", "Tree"]]  # noqa: UP007  (a recursive alias needs Union)
+
+
+def leaves(tree: Tree) -> list[int]:
+    """Leaf indices, left to right."""
+    if isinstance(tree, tuple):
+        return leaves(tree[0]) + leaves(tree[1])
+    return [tree]
+
+
+def validate_tree(tree: Tree, k: int | None = None) -> int:
+    """Check that ``tree`` is a binary tree over leaves 0..k-1, each exactly once.
+
+    Returns k. Raises ``ValueError`` naming the problem.
+    """
+
+    def walk(node: object) -> None:
+        if isinstance(node, tuple):
+            if len(node) != 2:
+                raise ValueError(f"internal nodes must have exactly 2 children, got {node!r}")
+            walk(node[0])
+            walk(node[1])
+        elif isinstance(node, bool) or not isinstance(node, int | np.integer) or node < 0:
+            raise ValueError(f"leaves must be non-negative integers, got {node!r}")
+
+    walk(tree)
+    found = leaves(tree)
+    count = len(found)
+    if sorted(found) != list(range(count)):
+        raise ValueError(f"tree leaves must be 0..{count - 1} each once, got {sorted(found)}")
+    if k is not None and count != k:
+        raise ValueError(f"tree has {count} leaves, expected {k}")
+    return count
+
+
+def internal_nodes(tree: Tree) -> int:
+    """Number of additions the tree performs (k - 1)."""
+    if isinstance(tree, tuple):
+        return 1 + internal_nodes(tree[0]) + internal_nodes(tree[1])
+    return 0
+
+
+def leaf_depths(tree: Tree) -> np.ndarray:
+    """Depth of every leaf (root at depth 0), indexed by leaf."""
+    k = validate_tree(tree)
+    depths = np.zeros(k, dtype=np.int64)
+
+    def walk(node: Tree, depth: int) -> None:
+        if isinstance(node, tuple):
+            walk(node[0], depth + 1)
+            walk(node[1], depth + 1)
+        else:
+            depths[node] = depth
+
+    walk(tree, 0)
+    return depths
+
+
+def common_ancestor_kernel(tree: Tree) -> np.ndarray:
+    """K[i, j] = number of internal nodes that are ancestors of both leaves i and j."""
+    k = validate_tree(tree)
+    kernel = np.zeros((k, k), dtype=np.int64)
+
+    def walk(node: Tree) -> list[int]:
+        if not isinstance(node, tuple):
+            return [node]
+        below = walk(node[0]) + walk(node[1])
+        kernel[np.ix_(below, below)] += 1
+        return below
+
+    walk(tree)
+    return kernel
+
+
+def lambda1(tree: Tree) -> int:
+    """Sum of leaf depths (= trace of the kernel)."""
+    return int(leaf_depths(tree).sum())
+
+
+def lambda2(tree: Tree) -> int:
+    """Sum over internal nodes of |leaves below|^2 (= sum of all kernel entries)."""
+
+    def walk(node: Tree) -> tuple[int, int]:
+        if not isinstance(node, tuple):
+            return 1, 0
+        (nl, sl), (nr, sr) = walk(node[0]), walk(node[1])
+        n = nl + nr
+        return n, sl + sr + n * n
+
+    validate_tree(tree)
+    return walk(tree)[1]
+
+
+def tree_cost(
+    tree: Tree, sigma2: Sequence[float] | np.ndarray, mu2: float = 0.0, lam: float = 1.0
+) -> float:
+    """J(T) = sum_i sigma_i^2 depth_i + lam * mu^2 * Lambda_2(T).
+
+    Raises
+    ------
+    ValueError
+        On negative or non-finite statistics, or a length that does not match the tree.
+    """
+    sigma2 = np.asarray(sigma2, dtype=np.float64)
+    depths = leaf_depths(tree)
+    if sigma2.shape != depths.shape:
+        raise ValueError(f"{sigma2.size} variances for a tree of {depths.size} leaves")
+    if not np.isfinite(sigma2).all() or (sigma2 < 0).any():
+        raise ValueError("variances must be finite and non-negative")
+    if not np.isfinite(mu2) or mu2 < 0 or not np.isfinite(lam):
+        raise ValueError(f"mu2 and lam must be finite (mu2 >= 0), got {mu2!r}, {lam!r}")
+    return float(sigma2 @ depths) + lam * mu2 * lambda2(tree)
+
+
+def gram_cost(tree: Tree, gram: np.ndarray) -> float:
+    """The exact leading rounding cost trace(K_T G) for the chunk's Gram matrix G of
+    the leaves (G[i, j] = sum over coordinates of x_i x_j): correlated leaves included."""
+    kernel = common_ancestor_kernel(tree)
+    if gram.shape != kernel.shape:
+        raise ValueError(f"Gram matrix of shape {gram.shape} for {kernel.shape[0]} leaves")
+    return float(np.sum(kernel * gram))
