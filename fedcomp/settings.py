@@ -95,6 +95,13 @@ class AggregationSettings:
     handoff: str = "per_client"
     #: Residual memory: a directory for the control-variate mirrors ("" = in memory).
     mirror_dir: str = ""
+    #: Pre-aggregated mode: the reduction tree, its dtype, and its statistics.
+    tree: str = "sum"
+    dtype: str = "fp32"
+    root_fp32: bool = False
+    chunk_size: int = 65536
+    refresh_rounds: int = 1
+    stats: str = "current"
 
 
 @dataclass
@@ -278,6 +285,25 @@ def validate(settings: Settings) -> Settings:
     _check_fraction("fraction_train", s.fraction_train, allow_zero=False)
     _check_fraction("fraction_evaluate", s.fraction_evaluate, allow_zero=True)
     _check_choice("aggregation.handoff", s.aggregation.handoff, HANDOFFS)
+    a = s.aggregation
+    _check_choice(
+        "aggregation.tree",
+        a.tree,
+        ("sum", "sequential", "balanced", "blocked", "huffman", "greedy", "adaptive"),
+    )
+    _check_choice("aggregation.dtype", a.dtype, ("fp32", "bf16", "fp16"))
+    _check_choice("aggregation.stats", a.stats, ("current", "ema"))
+    if (a.tree != "sum" or a.dtype != "fp32" or a.root_fp32) and a.handoff != "pre_aggregated":
+        _fail(
+            "aggregation.tree",
+            a.tree,
+            "trees and low precision need aggregation.handoff="
+            "pre_aggregated (per-client mode hands every reply to the inner strategy)",
+        )
+    if a.chunk_size < 1:
+        _fail("aggregation.chunk_size", a.chunk_size, "must be >= 1")
+    if a.refresh_rounds < 1:
+        _fail("aggregation.refresh_rounds", a.refresh_rounds, "must be >= 1")
     if s.simulation.num_cpus <= 0:
         _fail("simulation.num_cpus", s.simulation.num_cpus, "must be a positive integer")
     if s.simulation.cpus_per_client <= 0:

@@ -149,6 +149,7 @@ def round_record(
                 [r["codec_rel_error"] for r in measured if "codec_rel_error" in r]
             ),
             **residual_summary(cv, counts, measured),
+            **({"tree": counts["tree"]} if "tree" in counts else {}),
         },
     }
 

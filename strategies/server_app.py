@@ -22,6 +22,7 @@ from fedcomp.models import build_model
 from fedcomp.results import build_results, write_results
 from fedcomp.settings import Settings, settings_from_run_config, settings_to_dict, validate
 from fedcomp.training import evaluate
+from fedcomp.trees.aggregate import TreeConfig
 from strategies.inner import make_inner_strategy
 from strategies.records import fmt
 from strategies.wrapper import CompressedStrategy
@@ -36,6 +37,19 @@ def client_task(settings: Settings) -> dict[str, Any]:
     """The part of the settings a client needs, as a plain dict."""
     tree = settings_to_dict(settings)
     return {k: tree[k] for k in CLIENT_TASK_KEYS}
+
+
+def tree_config(settings: Settings) -> TreeConfig:
+    """The reduction-tree settings of the pre-aggregated mode."""
+    a = settings.aggregation
+    return TreeConfig(
+        tree=a.tree,
+        dtype=a.dtype,
+        root_fp32=a.root_fp32,
+        chunk_size=a.chunk_size,
+        refresh_rounds=a.refresh_rounds,
+        stats=a.stats,
+    )
 
 
 def make_evaluate_fn(settings: Settings) -> Callable[[int, ArrayRecord], MetricRecord]:
@@ -71,6 +85,7 @@ def run_server(
         task=client_task(settings),
         policy=TensorPolicy(min_numel=settings.policy.min_numel),
         mirror_dir=settings.aggregation.mirror_dir or None,
+        trees=tree_config(settings),
         identity_timeout=settings.simulation.round_timeout,
         on_round=on_round,
     )

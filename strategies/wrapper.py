@@ -76,6 +76,7 @@ from fedcomp.keys import (
 )
 from fedcomp.rng import numpy_generator
 from fedcomp.settings import HANDOFFS
+from fedcomp.trees.aggregate import TreeConfig, TreeStats, tree_mean
 from strategies.accounting import record_bytes, wire_bytes
 from strategies.identity import StableIds
 from strategies.records import account_reply, empty_client_row, log_line, round_record
@@ -139,6 +140,9 @@ class CompressedStrategy(Strategy):
     mirror_dir : str, optional
         Residual memory only: keep the clients' control-variate mirrors in this
         directory (one file per client) instead of in memory.
+    trees : TreeConfig, optional
+        Pre-aggregated mode: reduce through variance-aware trees, possibly in bf16/fp16
+        (default: a float32 running sum in stable-id order).
     identity_timeout : float
         Seconds to wait for ``expected_nodes`` nodes to connect.
     on_round : callable, optional
@@ -158,6 +162,7 @@ class CompressedStrategy(Strategy):
         task: Mapping[str, Any] | None = None,
         policy: TensorPolicy | None = None,
         mirror_dir: str | None = None,
+        trees: TreeConfig | None = None,
         identity_timeout: float = 600.0,
         on_round: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
@@ -200,6 +205,10 @@ class CompressedStrategy(Strategy):
             if isinstance(self.codec, ResidualMemory)
             else None
         )
+        self.trees = trees or TreeConfig()
+        if (self.trees != TreeConfig()) and handoff != "pre_aggregated":
+            raise ValueError("reduction trees need handoff='pre_aggregated'")
+        self.tree_stats = TreeStats()
         self.identity_timeout = identity_timeout
         self.on_round = on_round
 
@@ -434,7 +443,19 @@ class CompressedStrategy(Strategy):
             ]
         else:
             total = sum(d.weight for d in decoded)
-            mean = weighted_mean([d.deltas for d in decoded], [d.weight for d in decoded])
+            updates, weights = [d.deltas for d in decoded], [d.weight for d in decoded]
+            if self.trees == TreeConfig():
+                mean = weighted_mean(updates, weights)
+            else:
+                mean, report = tree_mean(
+                    updates,
+                    weights,
+                    [d.stable_id for d in decoded],
+                    self.trees,
+                    self.tree_stats,
+                    server_round,
+                )
+                state.record["tree"] = report
             metrics = aggregate_metricrecords(
                 [RecordDict({"metrics": self._client_metrics(d)}) for d in decoded],
                 KEY_NUM_EXAMPLES,
@@ -463,12 +484,15 @@ class CompressedStrategy(Strategy):
         return {
             "accepted_round": dict(self.accepted_round),
             "cv": self.cv.state_dict() if self.cv is not None else None,
+            "tree_stats": self.tree_stats.state_dict(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.accepted_round = {int(k): int(v) for k, v in state["accepted_round"].items()}
         if self.cv is not None and state.get("cv") is not None:
             self.cv.load_state_dict(state["cv"])
+        if "tree_stats" in state:
+            self.tree_stats.load_state_dict(state["tree_stats"])
 
     # ------------------------------------------------------------------ evaluation
 

@@ -77,6 +77,7 @@ def one_round(
     *,
     handoff: str = "per_client",
     inner=None,
+    trees=None,
     **grid_kwargs,
 ) -> tuple[dict[str, np.ndarray], CompressedStrategy, InProcessGrid, Spy]:
     spy = Spy()
@@ -90,6 +91,7 @@ def one_round(
         fraction_evaluate=0.0,
         handoff=handoff,
         task=client_task(settings),
+        trees=trees,
         identity_timeout=5,
     )
     result = strategy.start(grid, _initial(settings), num_rounds=1)

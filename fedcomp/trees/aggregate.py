@@ -1,0 +1,190 @@
+"""The server's weighted mean through reduction trees, per chunk of coordinates.
+
+Leaves are the weighted terms (w_i / W) x_i of the clients, in stable-id order; each
+chunk of coordinates is summed along a tree chosen from per-client statistics of that
+chunk (exact for the current round, or exponential moving estimates refreshed every
+R rounds), in float32, bfloat16 or float16, optionally with a float32 root addition.
+A chunk whose low-precision sum overflows is recomputed in float32 and counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedcomp.trees.build import (
+    CANDIDATES,
+    balanced_tree,
+    blocked_tree,
+    greedy_tree,
+    huffman_tree,
+    select_tree,
+    sequential_tree,
+)
+from fedcomp.trees.reduce import DTYPES, reduce_tree
+from fedcomp.trees.structure import Tree
+
+TREES = ("sum", "sequential", "balanced", "blocked", "huffman", "greedy", "adaptive")
+STATS = ("current", "ema")
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    """How the pre-aggregated mean is reduced (``aggregation.*`` settings)."""
+
+    tree: str = "sum"
+    dtype: str = "fp32"
+    root_fp32: bool = False
+    chunk_size: int = 65536
+    refresh_rounds: int = 1
+    stats: str = "current"
+    ema_decay: float = 0.5
+    #: Variance floor: sigma^2 = max(q - m^2, eps), so a constant leaf still has a weight.
+    eps: float = 1e-30
+
+    def __post_init__(self) -> None:
+        if self.tree not in TREES:
+            raise ValueError(f"aggregation.tree={self.tree!r}; allowed: {', '.join(TREES)}")
+        if self.dtype not in ("fp32", "bf16", "fp16"):
+            raise ValueError(f"aggregation.dtype={self.dtype!r}; allowed: fp32, bf16, fp16")
+        if self.chunk_size < 1:
+            raise ValueError(f"aggregation.chunk_size={self.chunk_size!r}: must be >= 1")
+        if self.refresh_rounds < 1:
+            raise ValueError(f"aggregation.refresh_rounds={self.refresh_rounds!r}: must be >= 1")
+        if self.stats not in STATS:
+            raise ValueError(f"aggregation.stats={self.stats!r}; allowed: {', '.join(STATS)}")
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ValueError(f"aggregation.ema_decay={self.ema_decay!r}: must be in [0, 1)")
+
+
+@dataclass
+class TreeStats:
+    """Per-client, per-chunk first and second moments (the one state object of trees)."""
+
+    mean: dict[tuple[int, str, int], float] = field(default_factory=dict)
+    second: dict[tuple[int, str, int], float] = field(default_factory=dict)
+    #: Trees chosen at the last refresh, per (tensor, chunk), keyed by the client set.
+    chosen: dict[tuple[str, int], tuple[tuple[int, ...], str, Any]] = field(default_factory=dict)
+
+    def update(self, key: tuple[int, str, int], m: float, q: float, decay: float) -> None:
+        if key in self.mean and decay > 0:
+            self.mean[key] = decay * self.mean[key] + (1 - decay) * m
+            self.second[key] = decay * self.second[key] + (1 - decay) * q
+        else:
+            self.mean[key], self.second[key] = m, q
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "mean": [[*k, v] for k, v in self.mean.items()],
+            "second": [[*k, v] for k, v in self.second.items()],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.mean = {(int(a), str(b), int(c)): float(v) for a, b, c, v in state["mean"]}
+        self.second = {(int(a), str(b), int(c)): float(v) for a, b, c, v in state["second"]}
+        self.chosen = {}
+
+
+def _fixed_tree(name: str, var: np.ndarray, mean: np.ndarray) -> Tree:
+    k = len(var)
+    if name == "sequential":
+        return sequential_tree(k)
+    if name == "balanced":
+        return balanced_tree(k)
+    if name == "blocked":
+        return blocked_tree(k)
+    if name == "huffman":
+        return huffman_tree(var)
+    return greedy_tree(var, mean)
+
+
+def tree_mean(
+    updates: Sequence[Mapping[str, np.ndarray]],
+    weights: Sequence[float],
+    stable_ids: Sequence[int],
+    config: TreeConfig,
+    stats: TreeStats,
+    server_round: int,
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """The weighted mean of ``updates`` (sorted by stable id) through trees.
+
+    Returns the mean per tensor (float32 for float tensors) and a report: how often each
+    candidate was chosen, and how many chunks overflowed and were redone in float32.
+    """
+    if not updates or len(updates) != len(weights) or len(weights) != len(stable_ids):
+        raise ValueError("tree_mean needs one weight and one stable id per update (k >= 1)")
+    if any(not np.isfinite(w) or w <= 0 for w in weights):
+        raise ValueError(f"weights must be positive and finite, got {list(weights)!r}")
+    total = float(sum(weights))
+    factors = [w / total for w in weights]
+    refresh = config.stats == "current" or (server_round - 1) % config.refresh_rounds == 0
+    chosen_counts = dict.fromkeys(CANDIDATES, 0)
+    overflow = 0
+    work = DTYPES[config.dtype]
+    mean: dict[str, np.ndarray] = {}
+    for name, first in updates[0].items():
+        if first.dtype.kind != "f":  # integer buffers: a float64 mean, rounded back
+            acc = sum(f * u[name].astype(np.float64) for f, u in zip(factors, updates, strict=True))
+            mean[name] = np.rint(acc).astype(first.dtype)
+            continue
+        terms = torch.stack(
+            [
+                torch.from_numpy(np.asarray(u[name], dtype=np.float32)).reshape(-1) * f
+                for u, f in zip(updates, factors, strict=True)
+            ]
+        )
+        out = torch.empty(terms.shape[1], dtype=torch.float32)
+        for c, start in enumerate(range(0, terms.shape[1], config.chunk_size)):
+            leaves = terms[:, start : start + config.chunk_size]
+            tree, picked = _tree_for(name, c, leaves, stable_ids, config, stats, refresh)
+            if picked is not None:
+                chosen_counts[picked] += 1
+            root = "fp32" if config.root_fp32 else None
+            total_chunk = reduce_tree(tree, leaves, dtype=work, root_dtype=root).float()
+            if not torch.isfinite(total_chunk).all():
+                overflow += 1  # e.g. fp16 beyond 65504: redo this chunk in float32
+                total_chunk = reduce_tree(tree, leaves, dtype=torch.float32)
+            out[start : start + leaves.shape[1]] = total_chunk
+        mean[name] = out.reshape(first.shape).numpy()
+    return mean, {
+        "chosen": {k: v for k, v in chosen_counts.items() if v},
+        "overflow_chunks": overflow,
+    }
+
+
+def _tree_for(
+    name: str,
+    chunk: int,
+    leaves: torch.Tensor,
+    stable_ids: Sequence[int],
+    config: TreeConfig,
+    stats: TreeStats,
+    refresh: bool,
+) -> tuple[Tree, str | None]:
+    k = leaves.shape[0]
+    if config.tree == "sum":
+        return sequential_tree(k), None
+    # Moments are tracked every round (exact, or moving averages); the tree is chosen
+    # again only on refresh rounds or when the set of clients changed.
+    decay = config.ema_decay if config.stats == "ema" else 0.0
+    x = leaves.double()
+    means, seconds = x.mean(dim=1), (x * x).mean(dim=1)
+    for i, sid in enumerate(stable_ids):
+        stats.update((sid, name, chunk), float(means[i]), float(seconds[i]), decay)
+    key_ids = tuple(stable_ids)
+    cached = stats.chosen.get((name, chunk))
+    if not refresh and cached is not None and cached[0] == key_ids:
+        return cached[2], cached[1]
+    m = np.array([stats.mean[(sid, name, chunk)] for sid in stable_ids])
+    q = np.array([stats.second[(sid, name, chunk)] for sid in stable_ids])
+    var = np.maximum(q - m * m, config.eps)
+    if config.tree == "adaptive":
+        picked, tree, _ = select_tree(var, m)
+    else:
+        picked, tree = config.tree, _fixed_tree(config.tree, var, m)
+    stats.chosen[(name, chunk)] = (key_ids, picked, tree)
+    return tree, picked
