@@ -31,9 +31,10 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow -q
 
-## bench: codec and server benchmarks; writes experiments/results/bench_codecs.md
+## bench: codec, server and reduction-tree benchmarks; summaries in experiments/results/
 bench: $(STAMP)
 	$(PY) -m experiments.bench_codecs --out experiments/results/bench_codecs.md
+	$(PY) -m experiments.bench_aggregation --out experiments/results/bench_aggregation.md
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

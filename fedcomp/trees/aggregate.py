@@ -183,7 +183,7 @@ def _tree_for(
     q = np.array([stats.second[(sid, name, chunk)] for sid in stable_ids])
     var = np.maximum(q - m * m, config.eps)
     if config.tree == "adaptive":
-        picked, tree, _ = select_tree(var, m)
+        picked, tree, _ = select_tree(var, m, dtype=config.dtype, root_fp32=config.root_fp32)
     else:
         picked, tree = config.tree, _fixed_tree(config.tree, var, m)
     stats.chosen[(name, chunk)] = (key_ids, picked, tree)

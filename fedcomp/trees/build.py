@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from fedcomp.trees.structure import Tree, tree_cost
+from fedcomp.trees.structure import Tree, rounding_cost, tree_cost
 
 
 def _check_k(k: int) -> int:
@@ -134,12 +134,17 @@ def select_tree(
     means: Sequence[float] | np.ndarray | None = None,
     *,
     lam: float = 1.0,
+    dtype: str | None = None,
+    root_fp32: bool = False,
 ) -> tuple[str, Tree, dict[str, float]]:
-    """Score every candidate with J(T) and return (name, tree, all scores).
+    """Score every candidate and return (name, tree, all scores).
 
-    The mean penalty uses mu^2 = (mean of the leaf means)^2, the i.i.d. form of the
-    expectation (lam = 1 is what the expectation gives). Ties go to the earlier
-    candidate in CANDIDATES, so the choice is deterministic.
+    Without ``dtype`` the score is the proxy J(T) with mu^2 = (mean of the leaf
+    means)^2 (lam = 1 is what the expectation gives). With ``dtype`` it is the expected
+    rounding error in that format (``rounding_cost``: binade-exact ulps, and the root
+    left out when it runs in float32), which the benchmark measured to rank the
+    candidates correctly where the smooth proxy does not (large means in bf16).
+    Ties go to the earlier candidate in CANDIDATES, so the choice is deterministic.
     """
     var = _check_stats(variances, "select_tree")
     mean = np.zeros_like(var) if means is None else _check_stats(means, "select_tree")
@@ -147,6 +152,12 @@ def select_tree(
         raise ValueError("select_tree: variances must be non-negative")
     mu2 = float(np.mean(mean)) ** 2
     trees = candidate_trees(var, mean)
-    scores = {name: tree_cost(tree, var, mu2=mu2, lam=lam) for name, tree in trees.items()}
+    if dtype is None:
+        scores = {name: tree_cost(tree, var, mu2=mu2, lam=lam) for name, tree in trees.items()}
+    else:
+        scores = {
+            name: rounding_cost(tree, var, mean, dtype, root_fp32=root_fp32)
+            for name, tree in trees.items()
+        }
     name = min(CANDIDATES, key=lambda n: (scores[n], CANDIDATES.index(n)))
     return name, trees[name], scores

@@ -48,16 +48,26 @@ def reduce_tree(
     work = _dtype(dtype)
     cast = leaves.to(work)
 
-    def evaluate(node: Tree) -> torch.Tensor:
-        if isinstance(node, tuple):
-            return evaluate(node[0]) + evaluate(node[1])
-        return cast[node]
+    def evaluate(node: Tree) -> tuple[torch.Tensor, bool]:
+        """(value, whether we own the tensor). A partial sum we own is accumulated in
+        place: the same rounded addition (IEEE addition commutes exactly), without
+        allocating a tensor per node."""
+        if not isinstance(node, tuple):
+            return cast[node], False
+        (left, left_owned), (right, right_owned) = evaluate(node[0]), evaluate(node[1])
+        if left_owned:
+            return left.add_(right), True
+        if right_owned:
+            return right.add_(left), True
+        return torch.add(left, right), True
 
     if root_dtype is not None and isinstance(tree, tuple):
         root = _dtype(root_dtype)
-        return evaluate(tree[0]).to(root) + evaluate(tree[1]).to(root)
-    result = evaluate(tree)
-    return result if root_dtype is None else result.to(_dtype(root_dtype))
+        return evaluate(tree[0])[0].to(root) + evaluate(tree[1])[0].to(root)
+    result, owned = evaluate(tree)
+    if root_dtype is not None:
+        return result.to(_dtype(root_dtype))
+    return result if owned else result.clone()
 
 
 def unit_roundoff(dtype: str | torch.dtype) -> float:
