@@ -34,7 +34,8 @@ def test_fp32_balanced_tree_mean_is_within_its_rounding_bound() -> None:
     depth = leaf_depths(balanced_tree(k)).max()
     bound = (depth + 2) * U32 * (f @ np.abs(stack))  # weighting + depth additions per path
     assert (np.abs(got["w"] - ref) <= bound + 1e-30).all()
-    assert report == {"chosen": {"balanced": 1}, "overflow_chunks": 0}
+    assert report["chosen"] == {"balanced": 1} and report["overflow_chunks"] == 0
+    assert report["mse_vs_fp64"] == pytest.approx(float(np.mean((got["w"] - ref) ** 2)), rel=1e-6)
 
 
 def test_fp16_overflow_is_recomputed_in_fp32_and_counted() -> None:

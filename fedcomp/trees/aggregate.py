@@ -124,6 +124,7 @@ def tree_mean(
     refresh = config.stats == "current" or (server_round - 1) % config.refresh_rounds == 0
     chosen_counts = dict.fromkeys(CANDIDATES, 0)
     overflow = 0
+    sq_error, coords = 0.0, 0
     work = DTYPES[config.dtype]
     mean: dict[str, np.ndarray] = {}
     for name, first in updates[0].items():
@@ -149,11 +150,18 @@ def tree_mean(
                 overflow += 1  # e.g. fp16 beyond 65504: redo this chunk in float32
                 total_chunk = reduce_tree(tree, leaves, dtype=torch.float32)
             out[start : start + leaves.shape[1]] = total_chunk
+            # The tree's own rounding: against the float64 sum of the same leaves, as
+            # cast to the working dtype.
+            reference = leaves.to(work).double().sum(0)
+            sq_error += float(((total_chunk.double() - reference) ** 2).sum())
+            coords += leaves.shape[1]
         mean[name] = out.reshape(first.shape).numpy()
-    return mean, {
+    report = {
         "chosen": {k: v for k, v in chosen_counts.items() if v},
         "overflow_chunks": overflow,
+        "mse_vs_fp64": sq_error / coords if coords else 0.0,
     }
+    return mean, report
 
 
 def _tree_for(
