@@ -238,9 +238,14 @@ def accuracy_plot(
         spent = np.mean([cumulative(m, key) for m in members], axis=0)
         acc = np.mean([[r["accuracy"] for r in m["rounds"]] for m in members], axis=0)
         label = ", ".join(
-            f"{k.split('.')[-1]}={_cell(v)}" for k, v in zip(keys, group, strict=True)
+            f"{k.split('.')[-1]}={_cell(v)}"
+            for k, v in zip(keys, group, strict=True)
+            if v is not None
         )
-        ax.plot(spent / 1e6, acc, marker=".", label=label)
+        style = "--" if "residual" in label else "-"
+        ax.plot(
+            spent / 1e6, acc, style, marker=".", label=label, color=plt.cm.tab20(len(ax.lines) % 20)
+        )
     ax.set_xscale("log")
     ax.set_xlabel(f"cumulative {key.replace('_', ' ')} (MB, log scale)")
     ax.set_ylabel("test accuracy (mean over seeds)")
