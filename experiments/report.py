@@ -126,7 +126,21 @@ def _group_key(run: dict[str, Any], keys: Sequence[str]) -> tuple:
     return tuple(flat.get(k) for k in keys)
 
 
-def paired_report(runs: Sequence[dict[str, Any]], tolerance: float = 0.01) -> str:
+def round_metric(run: dict[str, Any], path: str) -> float | None:
+    """Mean over rounds of a nested per-round value, e.g. ``codec.tree.mse_vs_fp64``."""
+    values = []
+    for rnd in run["rounds"]:
+        node: Any = rnd
+        for part in path.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, int | float) and not isinstance(node, bool):
+            values.append(float(node))
+    return float(np.mean(values)) if values else None
+
+
+def paired_report(
+    runs: Sequence[dict[str, Any]], tolerance: float = 0.01, metrics: Sequence[str] = ()
+) -> str:
     """Mean over seeds with 95% CIs, bytes to reach FedAvg's accuracy, and paired
     residual-minus-direct differences (same seed, bits and other settings)."""
     keys = [k for k in swept_keys([r["config"] for r in runs]) if k != "seed"]
@@ -145,8 +159,9 @@ def paired_report(runs: Sequence[dict[str, Any]], tolerance: float = 0.01) -> st
     targets = {k: float(np.mean(v)) - tolerance for k, v in targets.items()}
     lines = [
         f"| {' | '.join(keys)} | seeds | final accuracy (95% CI) | uplink codec MB "
-        f"| uplink wire MB | codec MB to reach FedAvg - {tolerance:g} (seeds reaching) |",
-        "|" + "---|" * (len(keys) + 5),
+        f"| uplink wire MB | codec MB to reach FedAvg - {tolerance:g} (seeds reaching) |"
+        + "".join(f" {m} |" for m in metrics),
+        "|" + "---|" * (len(keys) + 5 + len(metrics)),
     ]
     for key, members in sorted(groups.items(), key=lambda kv: [str(v) for v in kv[0]]):
         finals = [m["summary"]["final_accuracy"] for m in members]
@@ -166,9 +181,13 @@ def paired_report(runs: Sequence[dict[str, Any]], tolerance: float = 0.01) -> st
             else f"n/a (0/{len(members)})"
         )
         ci = f" +- {half:.4f}" if half is not None else ""
+        extra = ""
+        for metric in metrics:
+            values = [v for m in members if (v := round_metric(m, metric)) is not None]
+            extra += f" {np.mean(values):.3g} |" if values else " n/a |"
         lines.append(
             f"| {' | '.join(_cell(v) for v in key)} | {len(members)} | {np.mean(finals):.4f}{ci} "
-            f"| {codec_mb:.2f} | {wire_mb:.2f} | {to_target} |"
+            f"| {codec_mb:.2f} | {wire_mb:.2f} | {to_target} |{extra}"
         )
     lines += ["", _paired_differences(runs, setting_keys, method_keys)]
     return "\n".join(lines) + "\n"
@@ -274,11 +293,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="target = FedAvg's mean final accuracy minus this",
     )
     parser.add_argument("--plot", type=Path, help="write accuracy vs uplink bytes (PNG)")
+    parser.add_argument(
+        "--metric",
+        action="append",
+        default=[],
+        help="with --paired: a per-round value to average, e.g. "
+        "codec.tree.mse_vs_fp64 (repeatable)",
+    )
     args = parser.parse_args(argv)
     try:
         if args.paired or args.plot:
             runs = load_all(args.root)
-            text = paired_report(runs, args.tolerance) if args.paired else report(args.root)
+            text = (
+                paired_report(runs, args.tolerance, args.metric)
+                if args.paired
+                else report(args.root)
+            )
             if args.plot:
                 accuracy_plot(runs, args.plot)
         else:
