@@ -193,3 +193,12 @@ def test_paired_report_and_plot_on_a_tiny_sweep(tmp_path: Path) -> None:
         assert f"| {codec} |" in out.stdout
         assert f"{sum(finals) / len(finals):.4f}" in out.stdout
     assert "Paired residual - direct" in out.stdout
+
+
+@pytest.mark.slow
+def test_the_main_job_reaches_ninety_percent() -> None:
+    """`make run`'s default job, end to end: 10 rounds of FedAvg on 10 non-IID clients."""
+    results = simulate(Settings())
+    assert len(results["rounds"]) == 10
+    assert results["summary"]["final_accuracy"] >= 0.9
+    assert all(r["failures"] == 0 for r in results["rounds"])
