@@ -93,25 +93,21 @@ def real_updates(clients: int) -> torch.Tensor:
     )
     spy = Spy()
     grid = InProcessGrid(make_client_app(inner_mods=[spy]), clients)
-    strategy = CompressedStrategy(
-        make_inner_strategy({"name": "fedavg"}, clients),
-        codec={"name": "fp32"},
-        run_seed=0,
-        expected_nodes=clients,
-        fraction_evaluate=0.0,
-        task=client_task(settings),
-    )
-    result = strategy.start(grid, _initial(settings), num_rounds=1)
-    start = {k: np.asarray(v.numpy()) for k, v in result.arrays.items()}
-    strategy2 = CompressedStrategy(
-        make_inner_strategy({"name": "fedavg"}, clients),
-        codec={"name": "fp32"},
-        run_seed=0,
-        expected_nodes=clients,
-        fraction_evaluate=0.0,
-        task=client_task(settings),
-    )
-    strategy2.start(grid, result.arrays, num_rounds=1)
+
+    def one_round(arrays):
+        strategy = CompressedStrategy(
+            make_inner_strategy({"name": "fedavg"}, clients),
+            codec={"name": "fp32"},
+            run_seed=0,
+            expected_nodes=clients,
+            fraction_evaluate=0.0,
+            task=client_task(settings),
+        )
+        return strategy.start(grid, arrays, num_rounds=1).arrays
+
+    after_one = one_round(_initial(settings))
+    start = {k: np.asarray(v.numpy()) for k, v in after_one.items()}
+    one_round(after_one)  # the spy now holds round 2's trained models
     rows = []
     for sid in range(clients):
         rows.append(np.concatenate([(spy.local[sid][k] - start[k]).reshape(-1) for k in start]))

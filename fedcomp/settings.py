@@ -286,13 +286,16 @@ def validate(settings: Settings) -> Settings:
     _check_fraction("fraction_evaluate", s.fraction_evaluate, allow_zero=True)
     _check_choice("aggregation.handoff", s.aggregation.handoff, HANDOFFS)
     a = s.aggregation
-    _check_choice(
-        "aggregation.tree",
-        a.tree,
-        ("sum", "sequential", "balanced", "blocked", "huffman", "greedy", "adaptive"),
+    from fedcomp.trees.aggregate import TreeConfig  # its checks name the aggregation.* key
+
+    TreeConfig(
+        tree=a.tree,
+        dtype=a.dtype,
+        root_fp32=a.root_fp32,
+        chunk_size=a.chunk_size,
+        refresh_rounds=a.refresh_rounds,
+        stats=a.stats,
     )
-    _check_choice("aggregation.dtype", a.dtype, ("fp32", "bf16", "fp16"))
-    _check_choice("aggregation.stats", a.stats, ("current", "ema"))
     if (a.tree != "sum" or a.dtype != "fp32" or a.root_fp32) and a.handoff != "pre_aggregated":
         _fail(
             "aggregation.tree",
@@ -300,10 +303,6 @@ def validate(settings: Settings) -> Settings:
             "trees and low precision need aggregation.handoff="
             "pre_aggregated (per-client mode hands every reply to the inner strategy)",
         )
-    if a.chunk_size < 1:
-        _fail("aggregation.chunk_size", a.chunk_size, "must be >= 1")
-    if a.refresh_rounds < 1:
-        _fail("aggregation.refresh_rounds", a.refresh_rounds, "must be >= 1")
     if s.simulation.num_cpus <= 0:
         _fail("simulation.num_cpus", s.simulation.num_cpus, "must be a positive integer")
     if s.simulation.cpus_per_client <= 0:
