@@ -24,7 +24,10 @@ import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
+
+if TYPE_CHECKING:  # a runtime import would load torch for every settings user
+    from fedcomp.trees.aggregate import TreeConfig
 
 JSON_PREFIX = "json:"
 
@@ -286,16 +289,7 @@ def validate(settings: Settings) -> Settings:
     _check_fraction("fraction_evaluate", s.fraction_evaluate, allow_zero=True)
     _check_choice("aggregation.handoff", s.aggregation.handoff, HANDOFFS)
     a = s.aggregation
-    from fedcomp.trees.aggregate import TreeConfig  # its checks name the aggregation.* key
-
-    TreeConfig(
-        tree=a.tree,
-        dtype=a.dtype,
-        root_fp32=a.root_fp32,
-        chunk_size=a.chunk_size,
-        refresh_rounds=a.refresh_rounds,
-        stats=a.stats,
-    )
+    tree_config(s)  # TreeConfig's own checks name the aggregation.* key
     if (a.tree != "sum" or a.dtype != "fp32" or a.root_fp32) and a.handoff != "pre_aggregated":
         _fail(
             "aggregation.tree",
@@ -312,6 +306,21 @@ def validate(settings: Settings) -> Settings:
     if s.simulation.round_timeout <= 0:
         _fail("simulation.round_timeout", s.simulation.round_timeout, "must be > 0")
     return s
+
+
+def tree_config(settings: Settings) -> TreeConfig:
+    """The reduction-tree configuration of the pre-aggregated mode (validated)."""
+    from fedcomp.trees.aggregate import TreeConfig
+
+    a = settings.aggregation
+    return TreeConfig(
+        tree=a.tree,
+        dtype=a.dtype,
+        root_fp32=a.root_fp32,
+        chunk_size=a.chunk_size,
+        refresh_rounds=a.refresh_rounds,
+        stats=a.stats,
+    )
 
 
 # ---------------------------------------------------------------------------------

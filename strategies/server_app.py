@@ -20,9 +20,14 @@ from fedcomp.codecs import TensorPolicy
 from fedcomp.data import server_test_set
 from fedcomp.models import build_model
 from fedcomp.results import build_results, write_results
-from fedcomp.settings import Settings, settings_from_run_config, settings_to_dict, validate
+from fedcomp.settings import (
+    Settings,
+    settings_from_run_config,
+    settings_to_dict,
+    tree_config,
+    validate,
+)
 from fedcomp.training import evaluate
-from fedcomp.trees.aggregate import TreeConfig
 from strategies.inner import make_inner_strategy
 from strategies.records import fmt
 from strategies.wrapper import CompressedStrategy
@@ -37,19 +42,6 @@ def client_task(settings: Settings) -> dict[str, Any]:
     """The part of the settings a client needs, as a plain dict."""
     tree = settings_to_dict(settings)
     return {k: tree[k] for k in CLIENT_TASK_KEYS}
-
-
-def tree_config(settings: Settings) -> TreeConfig:
-    """The reduction-tree settings of the pre-aggregated mode."""
-    a = settings.aggregation
-    return TreeConfig(
-        tree=a.tree,
-        dtype=a.dtype,
-        root_fp32=a.root_fp32,
-        chunk_size=a.chunk_size,
-        refresh_rounds=a.refresh_rounds,
-        stats=a.stats,
-    )
 
 
 def make_evaluate_fn(settings: Settings) -> Callable[[int, ArrayRecord], MetricRecord]:
