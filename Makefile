@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.fedcomp-installed
 export FLWR_TELEMETRY_ENABLED := 0
 export FLWR_HOME := $(CURDIR)/.flwr
 
-.PHONY: run test test-slow lint bench clean
+.PHONY: run test test-slow lint bench fuzz clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ test-slow: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m experiments.bench_codecs --out experiments/results/bench_codecs.md
 	$(PY) -m experiments.bench_aggregation --out experiments/results/bench_aggregation.md
+
+## fuzz: 10^4 fuzz cases per decoder property (a sample runs in `make test`)
+fuzz: $(STAMP)
+	FEDCOMP_FUZZ_EXAMPLES=10000 $(PY) -m pytest -q tests/test_fuzz_decoders.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

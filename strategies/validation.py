@@ -89,7 +89,7 @@ def decode_payloads(
     deltas, codecs = {}, {}
     for name, reference in global_arrays.items():
         buf = payloads[name].data
-        header = parse_payload(buf).header
+        header = parse_payload(buf, max_numel=reference.size).header
         # Check the claimed shape and dtype BEFORE decoding allocates anything.
         if header.shape != reference.shape:
             raise ReplyError(f"{name}: shape {header.shape} != global {reference.shape}")
@@ -104,7 +104,7 @@ def decode_payloads(
         expected_seed = derive_seed(run_seed, server_round, stable_id, name) if needs else 0
         if header.seed != expected_seed:
             raise ReplyError(f"{name}: seed in header does not match the server's")
-        delta = decode_bytes(buf).numpy()
+        delta = decode_bytes(buf, max_numel=reference.size).numpy()
         if delta.dtype.kind == "f" and not np.isfinite(delta).all():
             raise ReplyError(f"{name}: non-finite values in the update")
         deltas[name] = delta

@@ -105,8 +105,10 @@ def test_enormous_claimed_shape_is_rejected_before_allocating() -> None:
         "<I",
         2**32 - 1,
     )
-    with pytest.raises(PayloadError, match="needs"):
+    with pytest.raises(PayloadError, match="above the limit"):
         decode_bytes(bad)
+    with pytest.raises(PayloadError, match="needs"):  # within the limit: sizes compared
+        decode_bytes(bad, max_numel=2**64)
     assert math.prod((2**32 - 1, 2**32 - 1)) > 2**60
 
 

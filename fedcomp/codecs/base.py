@@ -7,7 +7,13 @@ from typing import Any, ClassVar
 
 import torch
 
-from fedcomp.codecs.wire import Payload, PayloadError, PayloadHeader, parse_payload
+from fedcomp.codecs.wire import (
+    DEFAULT_MAX_NUMEL,
+    Payload,
+    PayloadError,
+    PayloadHeader,
+    parse_payload,
+)
 
 
 class Codec(ABC):
@@ -88,15 +94,21 @@ def codec_class(name: str) -> type[Codec]:
         ) from None
 
 
-def decode_bytes(buf: bytes | bytearray | memoryview) -> torch.Tensor:
+def decode_bytes(
+    buf: bytes | bytearray | memoryview, max_numel: int = DEFAULT_MAX_NUMEL
+) -> torch.Tensor:
     """Decode a complete payload buffer with no other context.
+
+    ``max_numel`` bounds the tensor the payload may claim (checked before anything is
+    allocated); the server passes the size of the matching global tensor.
 
     Raises
     ------
     PayloadError
-        When the buffer is malformed, truncated, oversized or names an unknown codec.
+        When the buffer is malformed, truncated, oversized, claims too many elements or
+        names an unknown codec.
     """
-    payload = parse_payload(buf)
+    payload = parse_payload(buf, max_numel)
     cls = _BY_ID.get(payload.header.codec_id)
     if cls is None:
         raise PayloadError(f"unknown codec id {payload.header.codec_id}")

@@ -26,6 +26,11 @@ from dataclasses import dataclass
 import torch
 
 MAGIC = b"FC"
+#: Largest tensor a payload may claim unless the caller says otherwise (2^28 elements,
+#: 1 GiB in float32). Sparse codecs decode a few bytes into a dense tensor of the claimed
+#: shape, so an untrusted shape must be bounded BEFORE decoding allocates it; the server
+#: passes the global model's exact size instead.
+DEFAULT_MAX_NUMEL = 1 << 28
 WIRE_VERSION = 1
 MAX_NDIM = 8
 _FIXED = struct.Struct("<2sBBBBHQ")
@@ -96,14 +101,16 @@ class Payload:
         return HEADER_FIXED_BYTES + 4 * len(self.header.shape) + len(self.body)
 
 
-def parse_payload(buf: bytes | bytearray | memoryview) -> Payload:
+def parse_payload(
+    buf: bytes | bytearray | memoryview, max_numel: int = DEFAULT_MAX_NUMEL
+) -> Payload:
     """Split a buffer into header and body, validating the fixed fields.
 
     Raises
     ------
     PayloadError
         On a short buffer, a wrong magic, an unsupported format version, an unknown
-        dtype code or too many dimensions.
+        dtype code, too many dimensions, or more than ``max_numel`` claimed elements.
     """
     view = memoryview(buf).cast("B")
     if len(view) < HEADER_FIXED_BYTES:
@@ -125,5 +132,8 @@ def parse_payload(buf: bytes | bytearray | memoryview) -> Payload:
     if len(view) < end:
         raise PayloadError(f"truncated payload: shape needs {end} bytes, got {len(view)}")
     shape = struct.unpack_from(f"<{ndim}I", view, HEADER_FIXED_BYTES)
+    numel = math.prod(shape)
+    if numel > max_numel:
+        raise PayloadError(f"payload claims {numel} elements, above the limit of {max_numel}")
     header = PayloadHeader(codec_id=codec_id, dtype=CODE_DTYPES[dtype_code], shape=shape, seed=seed)
     return Payload(header=header, body=view[end:])
