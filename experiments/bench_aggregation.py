@@ -80,12 +80,11 @@ def synthetic(k: int, n: int, ratio: float, mean: float, seed: int) -> torch.Ten
 def real_updates(clients: int) -> torch.Tensor:
     """Client updates of round 2 of a digits run (in-process, no Ray)."""
     from clients.client_app import make_client_app
+    from experiments.inprocess import InProcessGrid, Spy, initial_arrays, set_task_identity
     from fedcomp.settings import settings_from_dict
     from strategies.inner import make_inner_strategy
     from strategies.server_app import client_task
     from strategies.wrapper import CompressedStrategy
-    from tests.inprocess import InProcessGrid, set_task_identity
-    from tests.test_pipeline_inprocess import Spy, _initial
 
     set_task_identity()
     settings = settings_from_dict(
@@ -105,7 +104,7 @@ def real_updates(clients: int) -> torch.Tensor:
         )
         return strategy.start(grid, arrays, num_rounds=1).arrays
 
-    after_one = one_round(_initial(settings))
+    after_one = one_round(initial_arrays(settings))
     start = {k: np.asarray(v.numpy()) for k, v in after_one.items()}
     one_round(after_one)  # the spy now holds round 2's trained models
     rows = []

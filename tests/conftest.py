@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import experiments  # noqa: F401  (sets FLWR_TELEMETRY_ENABLED, FLWR_HOME, Ray temp dir)
-from tests.inprocess import set_task_identity
+from experiments.inprocess import set_task_identity
 
 
 @pytest.fixture(autouse=True)

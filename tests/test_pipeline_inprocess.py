@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 from flwr.app import (
     Array,
-    ArrayRecord,
     ConfigRecord,
     Error,
     Message,
@@ -24,6 +23,7 @@ from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
 from clients.client_app import make_client_app
 from clients.mod import CompressionMod
+from experiments.inprocess import NODE_IDS, InProcessGrid, Spy, initial_arrays
 from fedcomp.codecs import decode_bytes, make_codec
 from fedcomp.codecs.wire import HEADER_FIXED_BYTES
 from fedcomp.keys import (
@@ -38,38 +38,17 @@ from fedcomp.settings import Settings, settings_from_dict
 from strategies.inner import make_inner_strategy
 from strategies.server_app import client_task, run_server
 from strategies.wrapper import CompressedStrategy
-from tests.inprocess import NODE_IDS, InProcessGrid
 
 U32 = 2.0**-24  # unit roundoff of float32
 N = 4
 SETTINGS = settings_from_dict({"num_clients": N, "num_rounds": 1, "fraction_evaluate": 0.0})
 
 
-class Spy:
-    """An inner mod recording each client's dense trained model and weight."""
-
-    def __init__(self) -> None:
-        self.local: dict[int, dict[str, np.ndarray]] = {}
-        self.weight: dict[int, float] = {}
-
-    def __call__(self, msg, ctxt, call_next):
-        reply = call_next(msg, ctxt)
-        if msg.metadata.message_type == MessageType.TRAIN and not reply.has_error():
-            pid = int(ctxt.node_config["partition-id"])
-            arrays = next(iter(reply.content.array_records.values()))
-            self.local[pid] = {k: np.array(v.numpy()) for k, v in arrays.items()}
-            self.weight[pid] = float(reply.content["metrics"][KEY_NUM_EXAMPLES])
-        return reply
-
-
 def _train_only(messages: list[Message]) -> list[Message]:
     return [m for m in messages if m.metadata.message_type == MessageType.TRAIN]
 
 
-def _initial(settings: Settings) -> ArrayRecord:
-    return ArrayRecord(
-        build_model(settings.model, settings.dataset.name, settings.seed).state_dict()
-    )
+_initial = initial_arrays
 
 
 def one_round(

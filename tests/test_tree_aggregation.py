@@ -9,7 +9,6 @@ import pytest
 from fedcomp.settings import settings_from_dict, validate
 from fedcomp.trees import balanced_tree, leaf_depths
 from fedcomp.trees.aggregate import TreeConfig, TreeStats, tree_mean
-from strategies.inner import make_inner_strategy
 from tests.test_pipeline_inprocess import SETTINGS, N, one_round
 
 U32 = 2.0**-24
@@ -108,4 +107,3 @@ def test_bad_tree_settings_fail_with_the_key() -> None:
         tree_mean(_updates(2, 3), [1.0, 0.0], [0, 1], TreeConfig(tree="balanced"), TreeStats(), 1)
     with pytest.raises(ValueError, match="k >= 1"):
         tree_mean([], [], [], TreeConfig(tree="balanced"), TreeStats(), 1)
-    assert make_inner_strategy({"name": "fedavg"}, 2)  # the inner strategy is unaffected

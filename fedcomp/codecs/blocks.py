@@ -111,15 +111,6 @@ def chunks(flat: torch.Tensor, block: int):
         yield start // block, piece.view(-1, block)
 
 
-def as_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
-    """Flatten to float32 and view as (num_blocks, block), zero-padding the last block."""
-    flat = x.detach().reshape(-1).to(torch.float32)
-    pad = (-flat.numel()) % block
-    if pad:
-        flat = torch.cat([flat, flat.new_zeros(pad)])
-    return flat.view(-1, block)
-
-
 def num_blocks(numel: int, block: int) -> int:
     return (numel + block - 1) // block
 

@@ -4,17 +4,22 @@
 is handled by the real ClientApp (mods included) with a per-node Context that
 persists across rounds, as Flower's runtimes do. Replies can be tampered with,
 dropped or reordered, to test the server's validation and order independence.
-Messages can also be passed through Flower's own serialization (deflate/inflate).
+It serves the tests and the benchmarks that need real client updates without Ray.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from flwr.app import Context, Error, Message, RecordDict
+import numpy as np
+from flwr.app import ArrayRecord, Context, Error, Message, MessageType, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 from flwr.supercore.task_identity import TaskIdentity
+
+from fedcomp.keys import KEY_NUM_EXAMPLES
+from fedcomp.models import build_model
+from fedcomp.settings import Settings
 
 #: Flower-like random node ids (deliberately unrelated to the partition ids).
 NODE_IDS = [
@@ -103,3 +108,26 @@ class InProcessGrid:
             replies = self.order(replies)
         self.replies.extend(replies)
         return replies
+
+
+class Spy:
+    """An inner mod recording each client's dense trained model and weight."""
+
+    def __init__(self) -> None:
+        self.local: dict[int, dict[str, np.ndarray]] = {}
+        self.weight: dict[int, float] = {}
+
+    def __call__(self, msg, ctxt, call_next):
+        reply = call_next(msg, ctxt)
+        if msg.metadata.message_type == MessageType.TRAIN and not reply.has_error():
+            pid = int(ctxt.node_config["partition-id"])
+            arrays = next(iter(reply.content.array_records.values()))
+            self.local[pid] = {k: np.array(v.numpy()) for k, v in arrays.items()}
+            self.weight[pid] = float(reply.content["metrics"][KEY_NUM_EXAMPLES])
+        return reply
+
+
+def initial_arrays(settings: Settings) -> ArrayRecord:
+    """The seeded initial model of a run, as Flower arrays."""
+    model = build_model(settings.model, settings.dataset.name, settings.seed)
+    return ArrayRecord(model.state_dict())
