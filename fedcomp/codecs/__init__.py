@@ -35,19 +35,38 @@ from fedcomp.codecs.wire import Payload, PayloadError, PayloadHeader, parse_payl
 
 #: Memory names accepted by make_codec, with the inner codec given as ``inner=<name>``.
 MEMORIES = ("ef", "residual")
+#: Joint codes: no per-client decoder; the server decodes all replies together.
+JOINT_CODES = ("onebit",)
 
 
-def make_codec(name: str, **params: Any) -> Codec | Memory:
+def make_joint_code(name: str, **params: Any):
+    """Build a joint code (``onebit``), naming a parameter it does not take."""
+    from fedcomp.onebit import OneBitCode  # imported lazily: the joint path is optional
+
+    accepted = set(OneBitCode.__dataclass_fields__)
+    unknown = sorted(set(params) - accepted)
+    if unknown:
+        raise ValueError(
+            f"codec {name!r} does not take parameter(s) {', '.join(unknown)}; "
+            f"it takes: {', '.join(sorted(accepted))}"
+        )
+    return OneBitCode(**params)
+
+
+def make_codec(name: str, **params: Any) -> Codec | Memory | Any:
     """Build a codec (or a memory around one) by name, validating its parameters.
 
     ``make_codec("ef", inner="sign", block=256)`` builds error feedback around
-    ``make_codec("sign", block=256)``.
+    ``make_codec("sign", block=256)``; ``make_codec("onebit", bits=1)`` returns the
+    joint :class:`fedcomp.onebit.OneBitCode`.
 
     Raises
     ------
     ValueError
         On an unknown codec name or a parameter the codec does not take, naming it.
     """
+    if name in JOINT_CODES:
+        return make_joint_code(name, **params)
     if name in MEMORIES:
         inner = params.pop("inner", None)
         if not isinstance(inner, str) or inner in MEMORIES:
@@ -62,7 +81,7 @@ def make_codec(name: str, **params: Any) -> Codec | Memory:
     except ValueError:
         raise ValueError(
             f"unknown codec {name!r}; known codecs: {', '.join(codec_names())}; "
-            f"memories: {', '.join(MEMORIES)}"
+            f"memories: {', '.join(MEMORIES)}; joint codes: {', '.join(JOINT_CODES)}"
         ) from None
     accepted = {
         pname
@@ -89,6 +108,7 @@ def make_codec_from_spec(spec: Mapping[str, Any]) -> Codec | Memory:
 
 
 __all__ = [
+    "JOINT_CODES",
     "Codec",
     "ErrorFeedback",
     "Memory",

@@ -94,6 +94,10 @@ def codec_class(name: str) -> type[Codec]:
         ) from None
 
 
+#: Wire id of the joint one-bit code (fedcomp.onebit), reserved in this id space.
+JOINT_ONEBIT_ID = 9
+
+
 def decode_bytes(
     buf: bytes | bytearray | memoryview, max_numel: int = DEFAULT_MAX_NUMEL
 ) -> torch.Tensor:
@@ -111,6 +115,11 @@ def decode_bytes(
     payload = parse_payload(buf, max_numel)
     cls = _BY_ID.get(payload.header.codec_id)
     if cls is None:
+        if payload.header.codec_id == JOINT_ONEBIT_ID:
+            raise PayloadError(
+                "a onebit payload has no per-client decoder: decode all replies together"
+                " with fedcomp.onebit.OneBitCode.decode_mean"
+            )
         raise PayloadError(f"unknown codec id {payload.header.codec_id}")
     return cls.decode_payload(payload)
 

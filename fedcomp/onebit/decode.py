@@ -1,0 +1,280 @@
+"""The joint decoder of the one-bit code: coarse center, safe phases, refinement.
+
+Pure functions over chunks of coordinates, in units of tau (ONEBIT.md, "Decoder").
+The server holds every received client's packed bits; for each chunk it regenerates
+the public assignment of all those clients at once (a ``(R, b, chunk)`` array of query
+numbers), decodes the center from the LOC answers, and sums the Horvitz-Thompson
+weighted contributions ``coef(q, c) (B - B_c)`` of the other answers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from fedcomp.onebit.bits import answer
+from fedcomp.onebit.public import SlotLookup, client_slots, coordinate_draws, slot_uniforms
+from fedcomp.onebit.queries import (
+    KIND_BASE,
+    KIND_LOC,
+    KIND_REF,
+    KIND_SREF,
+    QuerySet,
+)
+
+#: Entries (clients x bits x coordinates) per decoder chunk: about 4M keeps the
+#: temporaries of one chunk near 100 MB whatever the number of clients.
+DECODE_ENTRIES = 1 << 22
+
+
+@dataclass
+class JointDecode:
+    """What the decoder found, in units of tau.
+
+    Attributes
+    ----------
+    mean : ndarray of float64
+        The estimate of the weighted mean of z, per coordinate.
+    center : ndarray of float64
+        The coarse center c per coordinate.
+    stopped_early : int
+        Coordinates whose localization stopped before the finest level (no votes, or a
+        resultant below the threshold).
+    """
+
+    mean: np.ndarray
+    center: np.ndarray
+    stopped_early: int
+
+
+def coefficient_table(qs: QuerySet) -> np.ndarray:
+    """``coef[q, b_j, b_{j+1}]``: what one answer of q is worth, given the safe phases.
+
+    ONEBIT.md, step 3: BASE(b_0) is worth L_0; REF(j, 0, 1) +-L_j when b_j = 0 (sign by
+    b_{j+1}); REF(j, b', t != 1) L_j when b_j = 1 and b' = b_{j+1}; SREF(j, b, b') 3 L_j
+    when (b, b') = (b_j, b_{j+1}); anything else 0 (the bit is not used for this c).
+    """
+    table = np.zeros((qs.num_queries, 2, 2))
+    for q in range(qs.num_queries):
+        kind = qs.kind[q]
+        lj = qs.geometry.scale(int(qs.scale_index[q]))
+        if kind == KIND_BASE:
+            table[q, qs.phase[q], :] = qs.geometry.base
+        elif kind == KIND_REF:
+            if qs.threshold[q] == lj:  # REF(j, 0, 1)
+                table[q, 0, 0] = lj
+                table[q, 0, 1] = -lj
+            else:
+                table[q, 1, qs.phase[q]] = lj
+        elif kind == KIND_SREF:
+            table[q, qs.phase[q], qs.phase2[q]] = 3 * lj
+    return table
+
+
+def safe_phases(center: np.ndarray, qs: QuerySet) -> np.ndarray:
+    """``b_j`` for j = 0..J (and a zero row J+1): the phase whose cell boundaries
+    ``{b L_j / 2 + m L_j}`` are farthest from c. Shape ``(J + 2, count)``, int64."""
+    num = qs.geometry.num_scales
+    phases = np.zeros((num + 2, center.size), dtype=np.int64)
+    for j in range(num + 1):
+        lj = qs.geometry.scale(j)
+        r0 = np.mod(center, lj)
+        d0 = np.minimum(r0, lj - r0)
+        r1 = np.mod(center - lj / 2, lj)
+        d1 = np.minimum(r1, lj - r1)
+        phases[j] = d1 > d0
+    return phases
+
+
+def localize(
+    sums: np.ndarray,
+    counts: np.ndarray,
+    start: np.ndarray,
+    periods: tuple[float, ...],
+    min_resultant: float,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The coarse center from LOC votes, level by level (ONEBIT.md, step 1).
+
+    Parameters
+    ----------
+    sums, counts : ndarray, shape (2 * levels, count)
+        Per LOC query (rows ``2 l + phi``) and coordinate: answers that were 1, answers.
+    start : ndarray
+        The starting center (0, or side information).
+    periods : tuple of float
+        ``P_0 > P_1 > ...``.
+    min_resultant : float
+        A level whose vote resultant ``sqrt((1 - 2 p_0)^2 + (2 p_1 - 1)^2)`` is below
+        this is no information: localization stops there (a balanced vote would
+        otherwise snap c to a multiple of ``P_l``).
+
+    Returns
+    -------
+    center : ndarray
+    stopped : ndarray of bool
+        Coordinates that stopped before the finest level.
+    """
+    center = start.astype(np.float64, copy=True)
+    active = np.ones(center.size, dtype=bool)
+    for level, period in enumerate(periods):
+        n0, n1 = counts[2 * level], counts[2 * level + 1]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            p0 = sums[2 * level] / n0
+            p1 = sums[2 * level + 1] / n1
+        sin_part = 1 - 2 * p0
+        cos_part = 2 * p1 - 1
+        resultant = np.hypot(sin_part, cos_part)
+        active &= (n0 > 0) & (n1 > 0) & (resultant >= min_resultant)
+        if not active.any():
+            break
+        angle = np.arctan2(sin_part[active], cos_part[active]) / (2 * np.pi)
+        y = period * np.mod(angle, 1.0)
+        c = center[active]
+        center[active] = y + period * np.round((c - y) / period)
+    return center, ~active
+
+
+@dataclass
+class Received:
+    """The replies that arrived: bits, positions among the n selected, weights."""
+
+    packed: np.ndarray  # uint8 (R, bytes): each client's packed bits, (numel, b) order
+    client_indices: np.ndarray  # int64 (R,)
+    weights: np.ndarray  # float64 (R,)
+
+
+def decode_joint(
+    received: Received,
+    qs: QuerySet,
+    *,
+    numel: int,
+    seed: int,
+    start: np.ndarray | None,
+    localize_center: bool,
+    min_resultant: float,
+    complete: bool,
+    groups: int = 1,
+) -> JointDecode:
+    """Decode the weighted mean of z from the received clients' bits.
+
+    The answers are first summed per (group, query, coordinate): ``S1`` the weighted
+    ones, ``S0`` the weights, ``N`` the count. A deterministic query's control variate
+    ``B_c`` and coefficient depend only on (query, coordinate), so its contribution is
+    ``coef (S1 - B_c S0)``; queries with a public U (BASE, SREF) sum
+    ``w (B - B_c(U))`` per answer. Per-answer work is thus a table lookup and a few
+    bincounts, whatever the number of queries.
+
+    Parameters
+    ----------
+    start : ndarray or None
+        Side information for the center, units of tau (None: 0).
+    localize_center : bool
+        Refine the center from the LOC answers (``center="inband"``).
+    complete : bool
+        Every selected client replied: Horvitz-Thompson with the planned inclusion
+        probabilities ``pi_q``. Otherwise the ratio estimator ``pi_q' = (answers of q
+        received) / (clients received)``, per coordinate.
+    groups : int
+        Median of means over this many client groups (1: plain mean). Groups use the
+        ratio estimator within the group.
+    """
+    n, b = qs.num_clients, qs.bits
+    num_rx = received.client_indices.size
+    num_q = qs.num_queries
+    table = coefficient_table(qs).reshape(num_q, 4)
+    needs_u = qs.needs_uniform()
+    num_loc = qs.num_loc  # LOC rows come first in the table
+    lookup = SlotLookup(qs.cuts)
+    # The phase rows a query's coefficient depends on (LOC answers are worth 0 anyway).
+    phase_row = np.where(qs.kind == KIND_LOC, 0, qs.scale_index).astype(np.int64)
+    weights = received.weights
+    unit_weights = bool(np.all(weights == weights[0]))
+    group_of = np.arange(num_rx) % groups
+    members = np.bincount(group_of, minlength=groups).astype(np.float64)
+    group_weight = np.bincount(group_of, weights=weights, minlength=groups)
+    planned = complete and groups == 1
+    chunk = max(8, (DECODE_ENTRIES // max(1, num_rx * b)) // 8 * 8)
+    mean = np.empty(numel)
+    center_all = np.empty(numel)
+    stopped_total = 0
+    idx_r = received.client_indices.reshape(-1, 1)
+    # Queries with a public U are one contiguous run of rows (BASE, then SREF).
+    drawn = np.flatnonzero(needs_u)
+    u_lo, u_hi = int(drawn.min()), int(drawn.max()) + 1
+    assert drawn.size == u_hi - u_lo
+    queries = np.arange(num_q)[:, None]
+    for first in range(0, numel, chunk):
+        count = min(chunk, numel - first)
+        size = groups * num_q * count
+        offsets, shifts = coordinate_draws(seed, first, count, n)
+        slots = client_slots(idx_r, shifts, n, b)  # (R, count, b), the wire's order
+        q = lookup(slots, offsets[:, None])
+        lo, hi = first * b // 8, -(-(first + count) * b // 8)
+        bits = np.unpackbits(received.packed[:, lo:hi], axis=1, bitorder="little")
+        bits = bits[:, : count * b].reshape(num_rx, count, b)
+        # Entry key: (group, query, coordinate) flattened.
+        key = q.astype(np.int64)
+        if groups > 1:
+            key += (group_of * num_q).reshape(-1, 1, 1)
+        key *= count
+        key += np.arange(count)[:, None]
+        key = key.reshape(-1)
+        if unit_weights:
+            # One integer bincount of (key, bit) pairs gives both answers and ones.
+            pairs = np.bincount(key * 2 + bits.reshape(-1), minlength=2 * size)
+            answers = pairs[0::2] + pairs[1::2]
+            s1 = pairs[1::2] * weights[0]
+            s0 = answers * weights[0]
+        else:
+            answers = np.bincount(key, minlength=size)
+            w_full = np.broadcast_to(weights.reshape(-1, 1, 1), q.shape).reshape(-1)
+            s1 = np.bincount(key, weights=bits.reshape(-1) * w_full, minlength=size)
+            s0 = np.bincount(key, weights=w_full, minlength=size)
+        shape3 = (groups, num_q, count)
+        answers, s1, s0 = answers.reshape(shape3), s1.reshape(shape3), s0.reshape(shape3)
+        c0 = np.zeros(count) if start is None else start[first : first + count]
+        if localize_center and num_loc:
+            # Votes are unweighted: one client is one vote, whatever its weight.
+            center, stopped = localize(
+                (s1[:, :num_loc] / weights.mean()).sum(axis=0)
+                if not unit_weights
+                else s1[:, :num_loc].sum(axis=0) / weights[0],
+                answers[:, :num_loc].sum(axis=0),
+                c0,
+                qs.geometry.periods,
+                min_resultant,
+            )
+            stopped_total += int(np.count_nonzero(stopped))
+        else:
+            center = np.asarray(c0, dtype=np.float64)
+        phases = safe_phases(center, qs)
+        # Per (query, coordinate): coefficient, and B_c for the deterministic queries.
+        coef = table[queries, phases[phase_row] * 2 + phases[phase_row + 1]]
+        at_center = answer(qs, queries, center, None)
+        total = s1 - at_center * s0
+        total[:, u_lo:u_hi] = 0.0
+        draw = (q >= u_lo) & (q < u_hi)
+        if draw.any():
+            coords = np.broadcast_to(np.arange(first, first + count)[:, None], q.shape)[draw]
+            u = slot_uniforms(seed, coords, slots[draw], n * b)
+            bc = answer(qs, q[draw], center[coords - first], u)
+            diff = bits[draw] - bc.astype(np.float64)
+            if not unit_weights:
+                diff *= np.broadcast_to(weights.reshape(-1, 1, 1), q.shape)[draw]
+            else:
+                diff *= weights[0]
+            total += np.bincount(key[draw.reshape(-1)], weights=diff, minlength=size).reshape(
+                shape3
+            )
+        total *= coef[None]
+        if planned:
+            est = (total[0] / qs.inclusion[:, None]).sum(axis=0) / group_weight[0]
+        else:
+            with np.errstate(invalid="ignore", divide="ignore"):
+                per_q = np.where(answers > 0, total / answers, 0.0)
+            per_group = per_q.sum(axis=1) * (members / group_weight)[:, None]
+            est = per_group[0] if groups == 1 else np.median(per_group, axis=0)
+        mean[first : first + count] = center + est
+        center_all[first : first + count] = center
+    return JointDecode(mean=mean, center=center_all, stopped_early=stopped_total)
