@@ -57,6 +57,9 @@ from fedcomp.keys import (
     KEY_CV_CHECKSUM,
     KEY_CV_VERSION,
     KEY_EXPECTED_ID,
+    KEY_JOINT_CLIENTS,
+    KEY_JOINT_INDEX,
+    KEY_JOINT_TAU,
     KEY_NUM_EXAMPLES,
     KEY_POLICY,
     KEY_PROTOCOL,
@@ -72,12 +75,15 @@ from fedcomp.keys import (
     METRIC_ENCODE_S,
     METRIC_FP32_CODEC_BYTES,
     METRIC_FP32_CONTENT_WIRE_BYTES,
+    METRIC_OUT_OF_RANGE,
     METRIC_REL_ERROR,
     METRIC_STATE_BYTES,
     PROTOCOL_VERSION,
     RECORD_HEADER,
     RECORD_PAYLOAD,
 )
+from fedcomp.onebit import OneBitCode
+from fedcomp.onebit.federated import joint_seed, out_of_range_fraction, unpack_taus
 from fedcomp.rng import derive_seed
 
 _WRAPPER = "strategies.wrapper.CompressedStrategy"
@@ -94,6 +100,37 @@ class _Encoded:
     pending_version: int = 0
     header: dict[str, int | str] = field(default_factory=dict)
     stats: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class _JointPlan:
+    """A joint (one-bit) round as this client sees it: its position among the n
+    selected clients and the public tau blocks of each jointly coded tensor."""
+
+    index: int
+    clients: int
+    taus: dict[str, np.ndarray]
+
+
+def _joint_plan(
+    code: OneBitCode, policy: TensorPolicy, config: ConfigRecord, global_record: ArrayRecord
+) -> _JointPlan:
+    """Read the round's joint parameters; the jointly coded tensors are those the
+    policy compresses, in model order (the server derives the same list)."""
+    for key in (KEY_JOINT_INDEX, KEY_JOINT_CLIENTS, KEY_JOINT_TAU):
+        if key not in config:
+            raise ValueError(f"joint codec {code.name!r} needs '{key}' in the train config")
+    index, clients = int(config[KEY_JOINT_INDEX]), int(config[KEY_JOINT_CLIENTS])
+    if not 0 <= index < clients:
+        raise ValueError(f"joint index {index} is not in [0, {clients})")
+    names = []
+    for name in global_record.keys():
+        tensor = torch.from_numpy(np.asarray(global_record[name].numpy()))
+        if policy.codec_for(tensor, code) is code:
+            names.append(name)
+    blocks = [code.num_blocks(int(np.prod(global_record[n].shape))) for n in names]
+    taus = unpack_taus(config[KEY_JOINT_TAU], blocks)
+    return _JointPlan(index=index, clients=clients, taus=dict(zip(names, taus, strict=True)))
 
 
 def _precondition_error(msg: Message, reason: str) -> Message:
@@ -193,6 +230,12 @@ class CompressionMod:
                 f"CompressionMod: server expected stable id {expected}, this node is {stable_id}",
             )
         _, global_record = _single(msg.content.array_records, "ArrayRecord", "train instruction")
+        plan = None
+        if isinstance(codec, OneBitCode):
+            try:  # before training: a bad plan must not cost a round of local work
+                plan = _joint_plan(codec, self._policy(config), config, global_record)
+            except (ValueError, TypeError) as exc:
+                return _precondition_error(msg, f"CompressionMod: {exc}")
 
         reply = call_next(msg, ctxt)
         if reply.has_error():
@@ -222,6 +265,8 @@ class CompressionMod:
             encoded = self._encode_residual_reply(
                 codec, policy, deltas, seeds, ctxt, ack, resync_asked
             )
+        elif plan is not None:
+            encoded = self._encode_joint(codec, policy, deltas, seeds, plan, run_seed, server_round)
         else:
             encoded = _Encoded(self._encode_all(codec, policy, deltas, seeds), inputs=deltas)
         encode_s = time.perf_counter() - t0
@@ -232,7 +277,7 @@ class CompressionMod:
         out_metrics = MetricRecord(dict(metrics))
         out_metrics[METRIC_ENCODE_S] = encode_s
         out_metrics[METRIC_CODEC_BYTES] = sum(len(b) for b in payloads.values())
-        if self.measure_error:
+        if self.measure_error and plan is None:  # a joint code has no per-client decode
             out_metrics[METRIC_REL_ERROR] = relative_error(payloads, encoded.inputs)
         for key, value in encoded.stats.items():
             out_metrics[key] = value
@@ -332,6 +377,43 @@ class CompressionMod:
             header=header,
             stats=stats,
         )
+
+    @staticmethod
+    def _encode_joint(
+        code: OneBitCode,
+        policy: TensorPolicy,
+        deltas: dict[str, torch.Tensor],
+        seeds: dict[str, int],
+        plan: _JointPlan,
+        run_seed: int,
+        server_round: int,
+    ) -> _Encoded:
+        """One-bit payloads for the planned tensors (public seed, no client id), raw
+        payloads for the rest."""
+        payloads = {}
+        beyond = total = 0
+        for name, delta in deltas.items():
+            tau = plan.taus.get(name)
+            if tau is None:
+                payloads[name] = bytes(
+                    policy.codec_for(delta, code).encode(delta, seed=seeds[name])
+                )
+                continue
+            payloads[name] = bytes(
+                code.encode(
+                    delta,
+                    client_index=plan.index,
+                    num_clients=plan.clients,
+                    seed=joint_seed(run_seed, server_round, name),
+                    tau=tau,
+                )
+            )
+            z = np.abs(delta.detach().reshape(-1).double().numpy())
+            z /= np.repeat(tau, code.block)[: z.size]
+            beyond += out_of_range_fraction(z, code) * z.size
+            total += z.size
+        stats = {METRIC_OUT_OF_RANGE: beyond / total if total else 0.0}
+        return _Encoded(payloads, inputs={}, stats=stats)
 
     def _policy(self, config: ConfigRecord) -> TensorPolicy:
         if KEY_POLICY not in config:

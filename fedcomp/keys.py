@@ -28,6 +28,12 @@ KEY_ACK_ROUND = "fedcomp.ack-round"
 KEY_RESYNC = "fedcomp.resync"
 #: JSON-encoded tensor policy, e.g. ``{"min_numel": 256}``.
 KEY_POLICY = "fedcomp.policy"
+#: Joint (one-bit) codes: this client's position among the round's selected clients,
+#: how many were selected, and the public tau per block of every jointly coded tensor
+#: (float32 bytes, model order).
+KEY_JOINT_INDEX = "fedcomp.joint-index"
+KEY_JOINT_CLIENTS = "fedcomp.joint-clients"
+KEY_JOINT_TAU = "fedcomp.joint-tau"
 #: Query kind for first-contact identity queries.
 KEY_QUERY = "fedcomp.query"
 QUERY_IDENTITY = "identity"
@@ -62,6 +68,9 @@ METRIC_CV_BOUND = "fedcomp.cv-noise-bound"
 METRIC_STATE_BYTES = "fedcomp.state-bytes"
 #: The codec's relative error on this client's update, measured by the client.
 METRIC_REL_ERROR = "fedcomp.codec-rel-error"
+#: Joint codes: fraction of this client's coordinates farther than L_J / 4 from 0, in
+#: units of the public tau (they wrap unless the center is near them).
+METRIC_OUT_OF_RANGE = "fedcomp.out-of-range"
 
 #: Node-config keys a SuperNode may carry to name its stable id.
 NODE_CONFIG_STABLE_ID = "stable-id"

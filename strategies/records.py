@@ -17,6 +17,7 @@ from fedcomp.keys import (
     METRIC_ENCODE_S,
     METRIC_FP32_CODEC_BYTES,
     METRIC_FP32_CONTENT_WIRE_BYTES,
+    METRIC_OUT_OF_RANGE,
     METRIC_REL_ERROR,
     METRIC_STATE_BYTES,
     RECORD_PAYLOAD,
@@ -30,6 +31,7 @@ _COPIED = (
     METRIC_CV_NOISE,
     METRIC_CV_BOUND,
     METRIC_STATE_BYTES,
+    METRIC_OUT_OF_RANGE,
 )
 
 
@@ -136,6 +138,7 @@ def round_record(
         "resyncs": counts.get("resyncs", 0),
         "nonfinite": counts.get("nonfinite", 0),
         "faults": {},
+        **({"diagnostics": counts["diagnostics"]} if "diagnostics" in counts else {}),
         "codec": {
             "spec": dict(codec_spec),
             "fp32_codec_bytes": fp32_codec,
@@ -150,6 +153,7 @@ def round_record(
             ),
             **residual_summary(cv, counts, measured),
             **({"tree": counts["tree"]} if "tree" in counts else {}),
+            **({"joint": counts["joint"]} if "joint" in counts else {}),
         },
     }
 

@@ -64,6 +64,9 @@ from fedcomp.keys import (
     KEY_CV_CHECKSUM,
     KEY_CV_VERSION,
     KEY_EXPECTED_ID,
+    KEY_JOINT_CLIENTS,
+    KEY_JOINT_INDEX,
+    KEY_JOINT_TAU,
     KEY_NUM_EXAMPLES,
     KEY_POLICY,
     KEY_PROTOCOL,
@@ -74,11 +77,14 @@ from fedcomp.keys import (
     PROTOCOL_VERSION,
     RECORD_PAYLOAD,
 )
+from fedcomp.onebit import OneBitCode
+from fedcomp.onebit.federated import JointServerState, pack_taus
 from fedcomp.rng import numpy_generator
 from fedcomp.settings import HANDOFFS
 from fedcomp.trees.aggregate import TreeConfig, TreeStats, tree_mean
 from strategies.accounting import record_bytes, wire_bytes
 from strategies.identity import StableIds
+from strategies.joint import JointRound, joint_mean, plan_round, split_reply
 from strategies.records import account_reply, empty_client_row, log_line, round_record
 from strategies.validation import ReplyError, check_reply, compressed_names, decode_payloads
 
@@ -101,6 +107,8 @@ class _Decoded:
     weight: float
     metrics: MetricRecord
     message: Message
+    #: Joint codes: the checked one-bit payloads, decoded together at hand-over.
+    joint: dict[str, bytes] = field(default_factory=dict)
 
 
 @dataclass
@@ -114,6 +122,7 @@ class _RoundState:
     record: dict[str, Any] = field(default_factory=dict)
     per_client: dict[int, dict[str, Any]] = field(default_factory=dict)
     tensor_codecs: dict[str, str] = field(default_factory=dict)
+    joint: JointRound | None = None
 
 
 class CompressedStrategy(Strategy):
@@ -147,6 +156,10 @@ class CompressedStrategy(Strategy):
         Seconds to wait for ``expected_nodes`` nodes to connect.
     on_round : callable, optional
         Called with each finished round's record (the results.json round shape).
+    update_probe : callable, optional
+        Diagnostics: ``probe(round, global_arrays, new_arrays, stable_ids)`` returns
+        numbers recorded as the round's ``diagnostics`` (e.g. the aggregate's error
+        against the exact mean, fedcomp.diagnostics).
     """
 
     def __init__(
@@ -165,6 +178,7 @@ class CompressedStrategy(Strategy):
         trees: TreeConfig | None = None,
         identity_timeout: float = 600.0,
         on_round: Callable[[dict[str, Any]], None] | None = None,
+        update_probe: Callable[..., Mapping[str, float]] | None = None,
     ) -> None:
         if not isinstance(strategy, Strategy):
             raise TypeError(f"strategy must be a Flower Strategy, found {type(strategy)}")
@@ -186,6 +200,18 @@ class CompressedStrategy(Strategy):
                 raise ValueError(f"{name}={value!r} is out of range")
         self.codec = make_codec_from_spec(codec)  # fails fast on a bad spec
         self.codec_json = json.dumps(self.codec.spec(), sort_keys=True)
+        #: Joint codes (one-bit) decode only the mean of all replies together.
+        self.joint = isinstance(self.codec, OneBitCode)
+        if self.joint and handoff != "pre_aggregated":
+            raise ValueError(
+                f"codec {self.codec.name!r} is a joint code: the server decodes only the mean "
+                "of all replies, so it needs handoff='pre_aggregated' "
+                "(aggregation=pre_aggregated), not per_client"
+            )
+        if self.joint and policy is None:
+            policy = TensorPolicy()  # sent, so client and server pick the same tensors
+        self.policy = policy or TensorPolicy()
+        self.joint_state = JointServerState(prior=self.codec.tau_prior) if self.joint else None
         self.strategy = strategy
         self.run_seed = run_seed
         self.expected_nodes = expected_nodes
@@ -208,9 +234,15 @@ class CompressedStrategy(Strategy):
         self.trees = trees or TreeConfig()
         if (self.trees != TreeConfig()) and handoff != "pre_aggregated":
             raise ValueError("reduction trees need handoff='pre_aggregated'")
+        if self.trees != TreeConfig() and self.joint:
+            raise ValueError(
+                "reduction trees do not apply to a joint code: its decoder sums the answers "
+                "itself, in float64; use aggregation.tree='sum'"
+            )
         self.tree_stats = TreeStats()
         self.identity_timeout = identity_timeout
         self.on_round = on_round
+        self.update_probe = update_probe
 
         self.ids = StableIds()
         self.rounds: list[dict[str, Any]] = []
@@ -292,6 +324,11 @@ class CompressedStrategy(Strategy):
                     config[KEY_RESYNC] = 1
                 if self.policy_json is not None:
                     config[KEY_POLICY] = self.policy_json
+                plan = self._state.joint if self._state is not None else None
+                if plan is not None:
+                    config[KEY_JOINT_INDEX] = plan.index[sid]
+                    config[KEY_JOINT_CLIENTS] = plan.clients
+                    config[KEY_JOINT_TAU] = pack_taus([plan.taus[n] for n in plan.names])
             if self.task_json is not None:
                 config[KEY_TASK] = self.task_json
             content = RecordDict({arrays_key: arrays, config_key: config})
@@ -318,6 +355,10 @@ class CompressedStrategy(Strategy):
         if not template:
             return []
         selected = self._sample(server_round, self.fraction_train, "train-sample")
+        if self.joint:
+            state.joint = plan_round(
+                self.codec, self.policy, self.joint_state, state.global_arrays, selected
+            )
         state.sent = self._per_client_messages(template, selected, server_round, MessageType.TRAIN)
         for sid, msg in state.sent.items():
             row = state.per_client.setdefault(sid, empty_client_row(sid))
@@ -332,6 +373,19 @@ class CompressedStrategy(Strategy):
         if sid is None or sid not in state.sent:
             raise ReplyError(f"reply from node {node_id}, which was not asked this round")
         header, metrics, weight, payloads = check_reply(msg.content, sid, state.number)
+        if state.joint is not None:
+            deltas, joint, codecs = split_reply(
+                self.codec,
+                state.joint,
+                payloads,
+                state.global_arrays,
+                run_seed=self.run_seed,
+                server_round=state.number,
+                stable_id=sid,
+            )
+            for name, codec in codecs.items():
+                state.tensor_codecs.setdefault(name, codec)
+            return _Decoded(sid, deltas, weight, metrics, msg, joint=joint)
         deltas, codecs = decode_payloads(
             payloads,
             state.global_arrays,
@@ -402,6 +456,16 @@ class CompressedStrategy(Strategy):
         t1 = time.perf_counter()
         arrays, metrics = self._hand_over(server_round, decoded, state)
         aggregate_s = time.perf_counter() - t1
+        if self.update_probe is not None and arrays is not None:
+            new_arrays = {k: np.asarray(v.numpy()) for k, v in arrays.items()}
+            state.record["diagnostics"] = dict(
+                self.update_probe(
+                    server_round,
+                    state.global_arrays,
+                    new_arrays,
+                    [d.stable_id for d in decoded],
+                )
+            )
         state.record.update(
             replied=len(decoded),
             failures=failures,
@@ -444,7 +508,21 @@ class CompressedStrategy(Strategy):
         else:
             total = sum(d.weight for d in decoded)
             updates, weights = [d.deltas for d in decoded], [d.weight for d in decoded]
-            if self.trees == TreeConfig():
+            if state.joint is not None:
+                mean = weighted_mean(updates, weights) if updates[0] else {}
+                mean.update(
+                    joint_mean(
+                        self.codec,
+                        state.joint,
+                        self.joint_state,
+                        [(d.stable_id, d.weight, d.joint) for d in decoded],
+                        state.global_arrays,
+                        run_seed=self.run_seed,
+                        server_round=server_round,
+                    )
+                )
+                state.record["joint"] = dict(state.joint.stats)
+            elif self.trees == TreeConfig():
                 mean = weighted_mean(updates, weights)
             else:
                 mean, report = tree_mean(
@@ -485,6 +563,7 @@ class CompressedStrategy(Strategy):
             "accepted_round": dict(self.accepted_round),
             "cv": self.cv.state_dict() if self.cv is not None else None,
             "tree_stats": self.tree_stats.state_dict(),
+            "joint": self.joint_state.state_dict() if self.joint_state is not None else None,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -493,6 +572,8 @@ class CompressedStrategy(Strategy):
             self.cv.load_state_dict(state["cv"])
         if "tree_stats" in state:
             self.tree_stats.load_state_dict(state["tree_stats"])
+        if self.joint_state is not None and state.get("joint") is not None:
+            self.joint_state.load_state_dict(state["joint"])
 
     # ------------------------------------------------------------------ evaluation
 

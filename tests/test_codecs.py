@@ -29,6 +29,8 @@ SPECS = {
     "uniform4": {"name": "uniform", "bits": 4, "block": 64},
     "uniform3": {"name": "uniform", "bits": 3, "block": 50},
     "uniform1": {"name": "uniform", "bits": 1, "block": 64},
+    "dither4": {"name": "dither", "bits": 4, "block": 64},
+    "dither1": {"name": "dither", "bits": 1, "block": 64},
     "qsgd16": {"name": "qsgd", "levels": 16, "block": 128},
     "qsgd1": {"name": "qsgd", "levels": 1, "block": 128},
     "sign": {"name": "sign", "block": 64},
@@ -82,8 +84,9 @@ def test_roundtrip_keeps_shape_and_dtype(key: str, kind: str) -> None:
     assert torch.isfinite(y).all()
     if kind in ("all_zero", "empty"):
         assert torch.equal(y, torch.zeros_like(x))
-    if kind == "constant" and not key.startswith(("qsgd", "topk", "randk")):
-        # max|x|- and mean|x|-scaled codes put a constant block exactly on a level.
+    if kind == "constant" and not key.startswith(("qsgd", "topk", "randk", "dither")):
+        # max|x|- and mean|x|-scaled codes put a constant block exactly on a level
+        # (subtractive dither does not: its error is uniform on a step whatever x is).
         assert torch.allclose(y, x, rtol=1e-2)
 
 
@@ -94,7 +97,7 @@ def test_same_seed_same_bytes(key: str) -> None:
     assert bytes(codec.encode(x, seed=5)) == bytes(codec.encode(x, seed=5))
 
 
-@pytest.mark.parametrize("key", ["uniform4", "qsgd16", "randk"])
+@pytest.mark.parametrize("key", ["uniform4", "dither4", "qsgd16", "randk"])
 def test_different_seeds_draw_differently(key: str) -> None:
     x = INPUTS["matrix"]()
     codec = _codec(key)
@@ -110,7 +113,7 @@ def _layout_size(key: str, x: torch.Tensor) -> int:
         return header + 4 * n
     if name in ("fp16", "bf16"):
         return header + 2 * n
-    if name == "uniform":
+    if name in ("uniform", "dither"):
         return header + 6 + 4 * math.ceil(n / spec["block"]) + math.ceil(n * spec["bits"] / 8)
     if name == "qsgd":
         width = math.ceil(math.log2(2 * spec["levels"] + 1))
@@ -167,7 +170,18 @@ def test_random_subset_is_uniform_distinct_and_reproducible() -> None:
     assert chi2 < dof + 5 * math.sqrt(2 * dof)
 
 
-UNBIASED = ["fp32", "uniform8", "uniform4", "uniform3", "uniform1", "qsgd16", "qsgd1", "randk"]
+UNBIASED = [
+    "fp32",
+    "uniform8",
+    "uniform4",
+    "uniform3",
+    "uniform1",
+    "dither4",
+    "dither1",
+    "qsgd16",
+    "qsgd1",
+    "randk",
+]
 
 
 def _monte_carlo(key: str, x: torch.Tensor, draws: int) -> tuple[torch.Tensor, float]:

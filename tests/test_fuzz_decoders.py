@@ -24,6 +24,7 @@ SPECS = [
     {"name": "bf16"},
     {"name": "uniform", "bits": 3, "block": 16},
     {"name": "uniform", "bits": 8, "block": 64},
+    {"name": "dither", "bits": 2, "block": 32},
     {"name": "qsgd", "levels": 5, "block": 32},
     {"name": "sign", "block": 16},
     {"name": "topk", "fraction": 0.2},

@@ -109,6 +109,9 @@ class OneBitCode:
         Median of means over this many client groups (1: plain mean).
     base_share : float
         Share of the bits spent on BASE queries.
+    tau_prior : float
+        Federated use only: the tau of round 1, before any client has sent a scale
+        code (the library calls take tau explicitly).
     """
 
     bits: int = 1
@@ -123,6 +126,7 @@ class OneBitCode:
     block: int = 1024
     groups: int = 1
     base_share: float = 0.2
+    tau_prior: float = 1.0
 
     name = "onebit"
 
@@ -140,12 +144,13 @@ class OneBitCode:
             raise bad("center", f"use one of {', '.join(CENTERS)}")
         if self.refine not in REFINES:
             raise bad("refine", f"use one of {', '.join(REFINES)}")
-        for key in ("lam", "top", "a0", "loc_votes"):
+        for key in ("lam", "top", "a0", "loc_votes", "tau_prior"):
             value = getattr(self, key)
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
                 raise bad(key, "use a finite number >= 0")
-        if self.top <= 0 or self.a0 <= 0:
-            raise bad("top" if self.top <= 0 else "a0", "use a positive number")
+        for key in ("top", "a0", "tau_prior"):
+            if getattr(self, key) <= 0:
+                raise bad(key, "use a positive number")
         if not 0 <= self.min_resultant <= 2:
             raise bad("min_resultant", "use a number in [0, 2]")
         if not 0 < self.base_share < 1:

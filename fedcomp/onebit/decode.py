@@ -72,6 +72,49 @@ def coefficient_table(qs: QuerySet) -> np.ndarray:
     return table
 
 
+@dataclass(frozen=True)
+class UsedRow:
+    """One 'used query' per coordinate, chosen by the safe phases ``(b_j, b_{j+1})``.
+
+    ``query[p]`` and ``coef[p]`` for the phase pattern ``p = 2 b_j + b_{j+1}``; a
+    pattern that uses no query of this row points at query 0 with coefficient 0.
+    """
+
+    scale: int
+    query: np.ndarray  # int64 (4,)
+    coef: np.ndarray  # float64 (4,)
+    drawn: bool  # the row's queries draw a public U
+
+
+def used_queries(qs: QuerySet, table: np.ndarray) -> list[UsedRow]:
+    """Rows of used queries: BASE(b_0), then per scale the (at most two) refinement
+    queries whose coefficient is non-zero for each phase pattern."""
+    rows = []
+    needs_u = qs.needs_uniform()
+    for scale in range(qs.geometry.num_scales + 1):
+        candidates = [
+            q
+            for q in range(qs.num_queries)
+            if qs.kind[q] != KIND_LOC and int(qs.scale_index[q]) == scale
+        ]
+        per_pattern = [[q for q in candidates if table[q].reshape(-1)[p] != 0] for p in range(4)]
+        for kind_is_base in (True, False):
+            lists = [
+                [q for q in qq if (qs.kind[q] == KIND_BASE) == kind_is_base] for qq in per_pattern
+            ]
+            depth = max(len(x) for x in lists)
+            for t in range(depth):
+                query = np.zeros(4, dtype=np.int64)
+                coef = np.zeros(4)
+                for p, qq in enumerate(lists):
+                    if t < len(qq):
+                        query[p], coef[p] = qq[t], table[qq[t]].reshape(-1)[p]
+                drawn = {bool(needs_u[q]) for qq in lists for q in qq}
+                assert len(drawn) == 1  # a row is all-deterministic or all-drawn
+                rows.append(UsedRow(scale, query, coef, drawn.pop()))
+    return rows
+
+
 def safe_phases(center: np.ndarray, qs: QuerySet) -> np.ndarray:
     """``b_j`` for j = 0..J (and a zero row J+1): the phase whose cell boundaries
     ``{b L_j / 2 + m L_j}`` are farthest from c. Shape ``(J + 2, count)``, int64."""
@@ -186,8 +229,6 @@ def decode_joint(
     needs_u = qs.needs_uniform()
     num_loc = qs.num_loc  # LOC rows come first in the table
     lookup = SlotLookup(qs.cuts)
-    # The phase rows a query's coefficient depends on (LOC answers are worth 0 anyway).
-    phase_row = np.where(qs.kind == KIND_LOC, 0, qs.scale_index).astype(np.int64)
     weights = received.weights
     unit_weights = bool(np.all(weights == weights[0]))
     group_of = np.arange(num_rx) % groups
@@ -203,7 +244,7 @@ def decode_joint(
     drawn = np.flatnonzero(needs_u)
     u_lo, u_hi = int(drawn.min()), int(drawn.max()) + 1
     assert drawn.size == u_hi - u_lo
-    queries = np.arange(num_q)[:, None]
+    used = used_queries(qs, table.reshape(num_q, 2, 2))
     for first in range(0, numel, chunk):
         count = min(chunk, numel - first)
         size = groups * num_q * count
@@ -249,11 +290,8 @@ def decode_joint(
         else:
             center = np.asarray(c0, dtype=np.float64)
         phases = safe_phases(center, qs)
-        # Per (query, coordinate): coefficient, and B_c for the deterministic queries.
-        coef = table[queries, phases[phase_row] * 2 + phases[phase_row + 1]]
-        at_center = answer(qs, queries, center, None)
-        total = s1 - at_center * s0
-        total[:, u_lo:u_hi] = 0.0
+        # Answers of queries with a public U: sum w (B - B_c(U)) per (group, query, k).
+        drawn_sums = None
         draw = (q >= u_lo) & (q < u_hi)
         if draw.any():
             coords = np.broadcast_to(np.arange(first, first + count)[:, None], q.shape)[draw]
@@ -264,16 +302,35 @@ def decode_joint(
                 diff *= np.broadcast_to(weights.reshape(-1, 1, 1), q.shape)[draw]
             else:
                 diff *= weights[0]
-            total += np.bincount(key[draw.reshape(-1)], weights=diff, minlength=size).reshape(
-                shape3
-            )
-        total *= coef[None]
+            drawn_sums = np.bincount(key[draw.reshape(-1)], weights=diff, minlength=size)
+            drawn_sums = drawn_sums.reshape(groups, num_q * count)
+        # Only the queries the safe phases use carry weight: per coordinate at most
+        # one BASE and two refinement queries per scale (ONEBIT.md, step 3).
+        flat_s1 = s1.reshape(groups, -1)
+        flat_s0 = s0.reshape(groups, -1)
+        flat_answers = answers.reshape(groups, -1)
+        est = np.zeros((groups, count))
+        arange = np.arange(count)
+        for row in used:
+            pattern = phases[row.scale] * 2 + phases[row.scale + 1]
+            qsel = row.query[pattern]
+            cf = row.coef[pattern]
+            idx = qsel * count + arange
+            if row.drawn:
+                value = drawn_sums[:, idx] if drawn_sums is not None else 0.0
+            else:
+                at_center = answer(qs, qsel, center, None)
+                value = flat_s1[:, idx] - at_center * flat_s0[:, idx]
+            if planned:
+                est[0] += cf * value[0] / qs.inclusion[qsel]
+            else:
+                got = flat_answers[:, idx]
+                with np.errstate(invalid="ignore", divide="ignore"):
+                    est += np.where(got > 0, cf * value / got, 0.0)
         if planned:
-            est = (total[0] / qs.inclusion[:, None]).sum(axis=0) / group_weight[0]
+            est = est[0] / group_weight[0]
         else:
-            with np.errstate(invalid="ignore", divide="ignore"):
-                per_q = np.where(answers > 0, total / answers, 0.0)
-            per_group = per_q.sum(axis=1) * (members / group_weight)[:, None]
+            per_group = est * (members / group_weight)[:, None]
             est = per_group[0] if groups == 1 else np.median(per_group, axis=0)
         mean[first : first + count] = center + est
         center_all[first : first + count] = center

@@ -1,0 +1,187 @@
+"""The one-bit code through the real mod and wrapper (in-process): the wrapper's joint
+path equals the library decoder on the same bits, missing and bad replies fall back
+to the ratio estimator, and the state moves on (tau from the scale codes, side center)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, Message, RecordDict
+
+from clients.client_app import make_client_app
+from experiments.inprocess import InProcessGrid, Spy, initial_arrays
+from fedcomp.codecs import TensorPolicy
+from fedcomp.keys import (
+    KEY_JOINT_CLIENTS,
+    KEY_JOINT_INDEX,
+    KEY_JOINT_TAU,
+    METRIC_OUT_OF_RANGE,
+    RECORD_PAYLOAD,
+)
+from fedcomp.onebit import OneBitCode
+from fedcomp.onebit.federated import joint_seed, unpack_taus
+from fedcomp.settings import settings_from_dict
+from strategies.inner import make_inner_strategy
+from strategies.joint import joint_names
+from strategies.server_app import client_task
+from strategies.wrapper import CompressedStrategy
+
+N = 6
+SPEC = {"name": "onebit", "bits": 2, "center": "previous", "tau_prior": 0.003, "block": 512}
+
+
+def _run(num_rounds=1, tamper=None, spec=SPEC):
+    settings = settings_from_dict(
+        {
+            "num_clients": N,
+            "num_rounds": num_rounds,
+            "fraction_evaluate": 0.0,
+            "codec": spec,
+            "aggregation": {"handoff": "pre_aggregated"},
+            "train": {"local_epochs": 1},
+        }
+    )
+    captured: list[tuple[int, Message, Message]] = []
+
+    def record(pid, reply, instruction):
+        captured.append((pid, reply, instruction))
+        return tamper(pid, reply, instruction) if tamper else reply
+
+    spy = Spy()
+    grid = InProcessGrid(make_client_app(inner_mods=[spy]), N, tamper=record)
+    strategy = CompressedStrategy(
+        make_inner_strategy({"name": "fedavg"}, N),
+        codec=settings.codec,
+        run_seed=settings.seed,
+        expected_nodes=N,
+        fraction_evaluate=0.0,
+        handoff="pre_aggregated",
+        task=client_task(settings),
+        identity_timeout=5,
+    )
+    initial = initial_arrays(settings)
+    result = strategy.start(grid, initial, num_rounds=num_rounds)
+    return settings, strategy, initial, result, captured, spy
+
+
+def _library_mean(settings, initial, captured, keep):
+    """Decode with fedcomp.onebit directly from the bits the wrapper received."""
+    code = OneBitCode(**{k: v for k, v in SPEC.items() if k != "name"})
+    arrays = {k: np.asarray(v.numpy()) for k, v in initial.items()}
+    names = joint_names(code, TensorPolicy(), arrays)
+    train = [
+        (pid, r, m)
+        for pid, r, m in captured
+        if pid in keep and RECORD_PAYLOAD in r.content.array_records
+    ]
+    first_config = train[0][2].content.config_records["config"]
+    blocks = [code.num_blocks(arrays[n].size) for n in names]
+    taus = dict(zip(names, unpack_taus(first_config[KEY_JOINT_TAU], blocks), strict=True))
+    out = {}
+    for name in names:
+        payloads = [bytes(r.content[RECORD_PAYLOAD][name].data) for _, r, _ in train]
+        indices = [int(m.content.config_records["config"][KEY_JOINT_INDEX]) for _, _, m in train]
+        n = int(first_config[KEY_JOINT_CLIENTS])
+        out[name] = code.decode_mean(
+            payloads,
+            client_indices=indices,
+            num_clients=n,
+            seed=joint_seed(settings.seed, 1, name),
+            tau=taus[name],
+            weights=[float(r.content["metrics"]["num-examples"]) for _, r, _ in train],
+            side_center=np.zeros(arrays[name].size),
+        ).numpy()
+    return out, names, arrays
+
+
+def _applied_update(result, arrays, name):
+    return np.asarray(result.arrays[name].numpy()).astype(np.float64) - arrays[name]
+
+
+def test_wrapper_joint_path_equals_the_library_decoder():
+    settings, strategy, initial, result, captured, spy = _run()
+    record = strategy.rounds[0]
+    assert record["replied"] == N and record["failures"] == 0
+    assert record["codec"]["joint"]["joint_replied"] == N
+    assert set(record["codec"]["per_tensor"].values()) >= {"onebit"}
+    expected, names, arrays = _library_mean(settings, initial, captured, keep=range(N))
+    assert names  # the MLP's big tensors are jointly coded
+    for name in names:
+        got = _applied_update(result, arrays, name)
+        # global + mean is rounded to float32 once (twice with FedAvg's own pass)
+        magnitude = (np.abs(arrays[name]) + np.abs(expected[name])).astype(np.float32)
+        tol = 2 * np.spacing(magnitude).astype(np.float64)
+        assert np.all(np.abs(got - expected[name]) <= tol + 1e-12), name
+    # the estimate is a mean estimate of the true updates: close to FedAvg's, not equal
+    weights = np.array([spy.weight[i] for i in range(N)])
+    exact = (
+        sum(
+            w * (spy.local[i][names[0]].astype(np.float64) - arrays[names[0]])
+            for i, w in enumerate(weights)
+        )
+        / weights.sum()
+    )
+    err = expected[names[0]] - exact
+    assert 0 < np.mean(err**2) < np.mean(exact**2) * 50
+    # every reply reported the fraction of its coordinates that would wrap
+    key = METRIC_OUT_OF_RANGE.removeprefix("fedcomp.")
+    assert all(0.0 <= r[key] <= 1.0 for r in record["per_client"])
+
+
+def test_missing_and_corrupt_replies_use_the_ratio_estimator():
+    def tamper(pid, reply, instruction):
+        if RECORD_PAYLOAD not in reply.content.array_records:
+            return reply
+        if pid == 1:
+            return None  # dropped
+        if pid == 4:  # one flipped bit in the first one-bit payload's header seed
+            content = reply.content
+            payloads = content[RECORD_PAYLOAD]
+            name = next(n for n in payloads.keys() if len(payloads[n].data) > 600)
+            data = bytearray(payloads[name].data)
+            data[9] ^= 0x10
+            arrays = {n: payloads[n] for n in payloads.keys()}
+            arrays[name] = Array(dtype="uint8", shape=(len(data),), stype="raw", data=bytes(data))
+            new = RecordDict({k: v for k, v in content.items() if k != RECORD_PAYLOAD})
+            new[RECORD_PAYLOAD] = ArrayRecord(arrays)
+            return Message(new, reply_to=instruction)
+        return reply
+
+    settings, strategy, initial, result, captured, _ = _run(tamper=tamper)
+    record = strategy.rounds[0]
+    assert record["selected"] == N and record["replied"] == N - 2 and record["failures"] == 1
+    assert record["codec"]["joint"] == {
+        **record["codec"]["joint"],
+        "joint_replied": N - 2,
+        "joint_selected": N,
+    }
+    expected, names, arrays = _library_mean(settings, initial, captured, keep={0, 2, 3, 5})
+    for name in names:
+        got = _applied_update(result, arrays, name)
+        # global + mean is rounded to float32 once (twice with FedAvg's own pass)
+        magnitude = (np.abs(arrays[name]) + np.abs(expected[name])).astype(np.float32)
+        tol = 2 * np.spacing(magnitude).astype(np.float64)
+        assert np.all(np.abs(got - expected[name]) <= tol + 1e-12), name
+
+
+def test_state_moves_on_and_training_still_learns():
+    _, strategy, _, _, _, _ = _run(num_rounds=2)
+    state = strategy.joint_state
+    assert state.taus and state.centers
+    # tau came from the clients' scale codes, not the prior
+    assert any(not np.allclose(t, SPEC["tau_prior"]) for t in state.taus.values())
+    saved = strategy.state_dict()["joint"]
+    clone = type(state)(prior=1.0)
+    clone.load_state_dict(saved)
+    assert all(np.array_equal(clone.taus[k], state.taus[k]) for k in state.taus)
+
+
+def test_joint_code_needs_pre_aggregated_handoff():
+    with pytest.raises(ValueError, match="pre_aggregated"):
+        CompressedStrategy(
+            make_inner_strategy({"name": "fedavg"}, 2),
+            codec=SPEC,
+            run_seed=1,
+            expected_nodes=2,
+            handoff="per_client",
+        )
