@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.clientapp.typing import Mod
 
+from clients.faults import FaultMod, NaNFaultMod
 from clients.identity import partition_id_of, stable_id_of
 from clients.mod import CompressionMod
 from fedcomp.codecs import TensorPolicy
 from fedcomp.data import client_datasets
+from fedcomp.diagnostics import write_update
 from fedcomp.keys import (
     KEY_NUM_EXAMPLES,
     KEY_QUERY,
@@ -28,9 +31,10 @@ from fedcomp.keys import (
     RECORD_IDENTITY,
 )
 from fedcomp.models import build_model
+from fedcomp.perturb import perturb_update
 from fedcomp.rng import torch_generator
 from fedcomp.settings import Settings, settings_from_dict, validate
-from fedcomp.training import evaluate, train_local
+from fedcomp.training import evaluate, select_device, train_local
 
 #: Metric names of the client-side evaluation (aggregated by the strategy).
 METRIC_EVAL_LOSS = "eval_loss"
@@ -69,7 +73,9 @@ def make_client_app(
     see the dense reply (e.g. Flower's ``fixedclipping_mod`` for client-side DP
     clipping, which expects a model in every message it sees).
     """
-    app = ClientApp(mods=[CompressionMod(policy)])
+    # Fault injection (inactive unless faults.* rates are set): outside the compression
+    # mod for crashes, drops and corrupt payloads, inside it for NaN models.
+    app = ClientApp(mods=[FaultMod(), CompressionMod(policy)])
 
     @app.query()
     def query(msg: Message, context: Context) -> Message:
@@ -79,7 +85,7 @@ def make_client_app(
         identity = ConfigRecord({KEY_STABLE_ID: stable_id_of(context)})
         return Message(RecordDict({RECORD_IDENTITY: identity}), reply_to=msg)
 
-    @app.train(mods=list(inner_mods or []))
+    @app.train(mods=[NaNFaultMod(), *(inner_mods or [])])
     def train(msg: Message, context: Context) -> Message:
         torch.set_num_threads(1)  # Ray runs one client per core; more threads oversubscribe
         task = _task(msg)
@@ -89,7 +95,28 @@ def make_client_app(
         gen = torch_generator(task.seed, "local-train", _round(msg), stable_id)
         config = next(iter(msg.content.config_records.values()), ConfigRecord())
         mu = float(config.get("proximal-mu", 0.0))  # set by Flower's FedProx
-        loss = train_local(model, train_set, task.train, gen, proximal_mu=mu)
+        device = select_device(task.train.device)
+        loss = train_local(model, train_set, task.train, gen, proximal_mu=mu, device=device)
+        perturb_update(
+            model,
+            df=task.train.noise_df,
+            scale=task.train.noise_scale,
+            run_seed=task.seed,
+            server_round=_round(msg),
+            stable_id=stable_id,
+        )
+        if task.diagnostics_dir:  # exact update, outside the message (fedcomp.diagnostics)
+            start = next(iter(msg.content.array_records.values()))
+            write_update(
+                task.diagnostics_dir,
+                _round(msg),
+                stable_id,
+                len(train_set),
+                {
+                    k: v.detach().cpu().double().numpy() - np.asarray(start[k].numpy())
+                    for k, v in model.state_dict().items()
+                },
+            )
         metrics = MetricRecord({KEY_NUM_EXAMPLES: len(train_set), METRIC_TRAIN_LOSS: loss})
         content = RecordDict({"arrays": ArrayRecord(model.state_dict()), "metrics": metrics})
         return Message(content, reply_to=msg)
@@ -101,7 +128,7 @@ def make_client_app(
         model = _model_from(msg, task)
         train_set, val_set = client_datasets(task, partition_id_of(context))
         data = val_set if len(val_set) > 0 else train_set
-        loss, acc = evaluate(model, data)
+        loss, acc = evaluate(model, data, device=select_device(task.train.device))
         metrics = MetricRecord(
             {KEY_NUM_EXAMPLES: len(data), METRIC_EVAL_LOSS: loss, METRIC_EVAL_ACC: acc}
         )

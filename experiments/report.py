@@ -1,9 +1,16 @@
-"""Turn a (multi)run directory into a markdown table, one row per run.
+"""Turn a (multi)run directory into markdown tables and plots.
 
     python -m experiments.report multirun/2026-12-02/12-00-00 [--out table.md]
+    python -m experiments.report --paired multirun/residual_femnist [--target 0.8]
+    python -m experiments.report multirun/residual_femnist --out-dir report/
 
-Columns: the settings that differ between runs (the sweep), final accuracy, uplink
-codec and wire bytes, the compression ratio against fp32 (wire), and wall time.
+The plain table has one row per run: the settings that differ between runs (the
+sweep), final accuracy, uplink codec and wire bytes, the compression ratio against
+fp32 (wire), and wall time. ``--paired`` groups the runs of one method and setting
+over their seeds: final accuracy with its 95% CI and min..max, uplink codec and wire
+MB, the MB needed to reach a target accuracy, compression ratios against fp32 and wall
+time, then paired residual-minus-direct differences. ``--out-dir`` writes both tables
+(report.md) and PNG plots of accuracy against cumulative uplink codec and wire bytes.
 Every results.json is read through fedcomp's schema validator.
 """
 
@@ -138,56 +145,125 @@ def round_metric(run: dict[str, Any], path: str) -> float | None:
     return float(np.mean(values)) if values else None
 
 
-def paired_report(
-    runs: Sequence[dict[str, Any]], tolerance: float = 0.01, metrics: Sequence[str] = ()
-) -> str:
-    """Mean over seeds with 95% CIs, bytes to reach FedAvg's accuracy, and paired
-    residual-minus-direct differences (same seed, bits and other settings)."""
+def group_runs(runs: Sequence[dict[str, Any]]) -> tuple[list[str], dict[tuple, list]]:
+    """Runs grouped by every swept setting except the seed (a group = one method and
+    setting, over its seeds), and the keys that define the groups."""
     keys = [k for k in swept_keys([r["config"] for r in runs]) if k != "seed"]
-    method_keys = [k for k in keys if k.startswith("codec.")]
-    setting_keys = [k for k in keys if not k.startswith("codec.")]
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for run in runs:
         groups.setdefault(_group_key(run, keys), []).append(run)
-    # Target per setting: FedAvg (fp32 codec) mean final accuracy minus the tolerance.
-    targets = {}
+    ordered = sorted(groups.items(), key=lambda kv: [str(v) for v in kv[0]])
+    return keys, dict(ordered)
+
+
+def targets_by_setting(
+    runs: Sequence[dict[str, Any]],
+    setting_keys: Sequence[str],
+    tolerance: float,
+    target: float | None = None,
+) -> dict[tuple, float]:
+    """The accuracy each setting must reach: ``target`` when given, else FedAvg's (the
+    fp32 codec's) mean final accuracy over seeds minus ``tolerance``."""
+    if target is not None:
+        return {_group_key(run, setting_keys): target for run in runs}
+    finals: dict[tuple, list[float]] = {}
     for run in runs:
         if run["config"]["codec"]["name"] == "fp32":
-            targets.setdefault(_group_key(run, setting_keys), []).append(
+            finals.setdefault(_group_key(run, setting_keys), []).append(
                 run["summary"]["final_accuracy"]
             )
-    targets = {k: float(np.mean(v)) - tolerance for k, v in targets.items()}
+    return {k: float(np.mean(v)) - tolerance for k, v in finals.items()}
+
+
+def _mean_of(values: Sequence[float | None]) -> float | None:
+    kept = [v for v in values if v is not None]
+    return float(np.mean(kept)) if kept else None
+
+
+def group_summary(members: Sequence[dict[str, Any]], target: float | None) -> dict[str, Any]:
+    """The numbers of one table row, from the members' results (means over seeds)."""
+    finals = [m["summary"]["final_accuracy"] for m in members]
+
+    def to_target(key: str) -> tuple[float | None, int]:
+        if target is None:
+            return None, 0
+        reached = [b for m in members if (b := bytes_to_reach(m, target, key)) is not None]
+        return (float(np.median(reached)) if reached else None), len(reached)
+
+    codec_to, codec_n = to_target("uplink_codec_bytes")
+    wire_to, wire_n = to_target("uplink_wire_bytes")
+    return {
+        "seeds": len(members),
+        "final_mean": float(np.mean(finals)),
+        "final_ci": t_half_width(finals),
+        "final_min": float(np.min(finals)),
+        "final_max": float(np.max(finals)),
+        "codec_bytes": float(np.mean([cumulative(m, "uplink_codec_bytes")[-1] for m in members])),
+        "wire_bytes": float(np.mean([m["summary"]["uplink_wire_bytes_total"] for m in members])),
+        "target": target,
+        "codec_bytes_to_target": codec_to,
+        "wire_bytes_to_target": wire_to,
+        "reached": codec_n,
+        "reached_wire": wire_n,
+        "ratio_codec": _mean_of([m["summary"]["ratio_vs_fp32_codec"] for m in members]),
+        "ratio_wire": _mean_of([m["summary"]["ratio_vs_fp32_wire"] for m in members]),
+        "wall_s": float(np.mean([m["summary"]["wall_s"] for m in members])),
+    }
+
+
+def _mb(value: float | None) -> str:
+    return "n/a" if value is None else f"{value / 1e6:.2f}"
+
+
+def _ratio(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}x"
+
+
+def paired_report(
+    runs: Sequence[dict[str, Any]],
+    tolerance: float = 0.01,
+    metrics: Sequence[str] = (),
+    target: float | None = None,
+) -> str:
+    """One row per method and setting, over its seeds: final accuracy (mean, 95% CI,
+    min..max), uplink codec and wire MB, the MB each needs to reach a target accuracy
+    (median over the seeds that reach it), compression ratios against fp32 (measured
+    on the same updates), wall time; then paired residual-minus-direct differences
+    (same seed, bits and other settings).
+
+    The target is ``target`` when given, else FedAvg's (fp32) mean final accuracy of
+    the same setting minus ``tolerance``.
+    """
+    keys, groups = group_runs(runs)
+    method_keys = [k for k in keys if k.startswith("codec.")]
+    setting_keys = [k for k in keys if not k.startswith("codec.")]
+    targets = targets_by_setting(runs, setting_keys, tolerance, target)
+    target_text = f"{target:g}" if target is not None else f"FedAvg - {tolerance:g}"
     lines = [
-        f"| {' | '.join(keys)} | seeds | final accuracy (95% CI) | uplink codec MB "
-        f"| uplink wire MB | codec MB to reach FedAvg - {tolerance:g} (seeds reaching) |"
+        f"| {' | '.join(keys)} | seeds | final accuracy (95% CI) | min..max "
+        f"| uplink codec MB | uplink wire MB | codec MB to {target_text} (seeds reaching) "
+        f"| wire MB to {target_text} | ratio vs fp32 codec | ratio vs fp32 wire | wall s |"
         + "".join(f" {m} |" for m in metrics),
-        "|" + "---|" * (len(keys) + 5 + len(metrics)),
+        "|" + "---|" * (len(keys) + 10 + len(metrics)),
     ]
-    for key, members in sorted(groups.items(), key=lambda kv: [str(v) for v in kv[0]]):
-        finals = [m["summary"]["final_accuracy"] for m in members]
-        half = t_half_width(finals)
-        codec_mb = np.mean([cumulative(m, "uplink_codec_bytes")[-1] for m in members]) / 1e6
-        wire_mb = np.mean([m["summary"]["uplink_wire_bytes_total"] for m in members]) / 1e6
-        target = targets.get(_group_key(members[0], setting_keys))
-        reached = [
-            b
-            for m in members
-            if target is not None
-            and (b := bytes_to_reach(m, target, "uplink_codec_bytes")) is not None
-        ]
-        to_target = (
-            f"{np.median(reached) / 1e6:.2f} ({len(reached)}/{len(members)})"
-            if target is not None and reached
-            else f"n/a (0/{len(members)})"
+    for key, members in groups.items():
+        row = group_summary(members, targets.get(_group_key(members[0], setting_keys)))
+        ci = f" +- {row['final_ci']:.4f}" if row["final_ci"] is not None else ""
+        reached = (
+            f"{_mb(row['codec_bytes_to_target'])} ({row['reached']}/{row['seeds']})"
+            if row["target"] is not None
+            else f"n/a (0/{row['seeds']})"
         )
-        ci = f" +- {half:.4f}" if half is not None else ""
         extra = ""
         for metric in metrics:
             values = [v for m in members if (v := round_metric(m, metric)) is not None]
             extra += f" {np.mean(values):.3g} |" if values else " n/a |"
         lines.append(
-            f"| {' | '.join(_cell(v) for v in key)} | {len(members)} | {np.mean(finals):.4f}{ci} "
-            f"| {codec_mb:.2f} | {wire_mb:.2f} | {to_target} |{extra}"
+            f"| {' | '.join(_cell(v) for v in key)} | {row['seeds']} "
+            f"| {row['final_mean']:.4f}{ci} | {row['final_min']:.4f}..{row['final_max']:.4f} "
+            f"| {_mb(row['codec_bytes'])} | {_mb(row['wire_bytes'])} | {reached} "
+            f"| {_mb(row['wire_bytes_to_target'])} | {_ratio(row['ratio_codec'])} "
+            f"| {_ratio(row['ratio_wire'])} | {row['wall_s']:.1f} |{extra}"
         )
     lines += ["", _paired_differences(runs, setting_keys, method_keys)]
     return "\n".join(lines) + "\n"
@@ -223,7 +299,7 @@ def _paired_differences(
     lines = [
         f"Paired residual - direct final accuracy (same seed, bits, {same}):",
         "",
-        f"| bits | {' | '.join(setting_keys)} | pairs | mean difference (95% CI) |",
+        "| " + " | ".join(["bits", *setting_keys, "pairs", "mean difference (95% CI)"]) + " |",
         "|---|" + "---|" * (len(setting_keys) + 2),
     ]
     by_group: dict[tuple, list[float]] = {}
@@ -232,42 +308,48 @@ def _paired_differences(
     for (bits, setting), diffs in sorted(by_group.items(), key=lambda kv: str(kv[0])):
         half = t_half_width(diffs)
         ci = f" +- {half:.4f}" if half is not None else ""
-        lines.append(
-            f"| {bits} | {' | '.join(_cell(v) for v in setting)} | {len(diffs)} "
-            f"| {np.mean(diffs):+.4f}{ci} |"
-        )
+        cells = [str(bits), *(_cell(v) for v in setting), str(len(diffs))]
+        lines.append(f"| {' | '.join(cells)} | {np.mean(diffs):+.4f}{ci} |")
     return "\n".join(lines)
+
+
+def _label(keys: Sequence[str], group: tuple) -> str:
+    return ", ".join(
+        f"{k.split('.')[-1]}={_cell(v)}" for k, v in zip(keys, group, strict=True) if v is not None
+    )
 
 
 def accuracy_plot(
     runs: Sequence[dict[str, Any]], path: Path, key: str = "uplink_codec_bytes"
 ) -> Path:
-    """Mean accuracy against mean cumulative uplink bytes, one line per group."""
+    """Accuracy (mean over seeds, shaded min..max) against mean cumulative uplink bytes
+    (``key``: uplink_codec_bytes or uplink_wire_bytes), one line per method and setting."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = [k for k in swept_keys([r["config"] for r in runs]) if k != "seed"]
-    groups: dict[tuple, list[dict[str, Any]]] = {}
-    for run in runs:
-        groups.setdefault(_group_key(run, keys), []).append(run)
+    keys, groups = group_runs(runs)
     fig, ax = plt.subplots(figsize=(8, 5))
-    for group, members in sorted(groups.items(), key=lambda kv: [str(v) for v in kv[0]]):
-        spent = np.mean([cumulative(m, key) for m in members], axis=0)
-        acc = np.mean([[r["accuracy"] for r in m["rounds"]] for m in members], axis=0)
-        label = ", ".join(
-            f"{k.split('.')[-1]}={_cell(v)}"
-            for k, v in zip(keys, group, strict=True)
-            if v is not None
+    for i, (group, members) in enumerate(groups.items()):
+        spent = np.mean([cumulative(m, key) for m in members], axis=0) / 1e6
+        acc = np.array(
+            [
+                [np.nan if r["accuracy"] is None else r["accuracy"] for r in m["rounds"]]
+                for m in members
+            ]
         )
+        label = _label(keys, group)
+        color = plt.cm.tab20(i % 20)
         style = "--" if "residual" in label else "-"
-        ax.plot(
-            spent / 1e6, acc, style, marker=".", label=label, color=plt.cm.tab20(len(ax.lines) % 20)
-        )
+        ax.plot(spent, np.nanmean(acc, axis=0), style, marker=".", label=label, color=color)
+        if len(members) > 1:
+            ax.fill_between(
+                spent, np.nanmin(acc, axis=0), np.nanmax(acc, axis=0), color=color, alpha=0.15
+            )
     ax.set_xscale("log")
     ax.set_xlabel(f"cumulative {key.replace('_', ' ')} (MB, log scale)")
-    ax.set_ylabel("test accuracy (mean over seeds)")
+    ax.set_ylabel("test accuracy (mean over seeds; band: min..max)")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
@@ -275,6 +357,33 @@ def accuracy_plot(
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+PLOT_KEYS = ("uplink_codec_bytes", "uplink_wire_bytes")
+
+
+def write_report(
+    runs: Sequence[dict[str, Any]],
+    out_dir: Path,
+    *,
+    tolerance: float = 0.01,
+    metrics: Sequence[str] = (),
+    target: float | None = None,
+) -> list[Path]:
+    """``report.md`` (the per-method table over seeds, then one row per run) and one
+    PNG of accuracy against cumulative uplink bytes per byte count, in ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    header, rows = table_rows(runs)
+    text = (
+        "# Summary over seeds\n\n"
+        + paired_report(runs, tolerance, metrics, target)
+        + "\n# Runs\n\n"
+        + markdown_table(header, rows)
+    )
+    report_md = out_dir / "report.md"
+    report_md.write_text(text)
+    plots = [accuracy_plot(runs, out_dir / f"accuracy_vs_{k}.png", k) for k in PLOT_KEYS]
+    return [report_md, *plots]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -292,7 +401,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=0.01,
         help="target = FedAvg's mean final accuracy minus this",
     )
+    parser.add_argument(
+        "--target",
+        type=float,
+        help="with --paired/--out-dir: the target accuracy (default: FedAvg's minus --tolerance)",
+    )
     parser.add_argument("--plot", type=Path, help="write accuracy vs uplink bytes (PNG)")
+    parser.add_argument(
+        "--out-dir",
+        type=Path,
+        help="write report.md and accuracy_vs_uplink_{codec,wire}_bytes.png here",
+    )
     parser.add_argument(
         "--metric",
         action="append",
@@ -302,15 +421,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     try:
-        if args.paired or args.plot:
+        if args.paired or args.plot or args.out_dir:
             runs = load_all(args.root)
             text = (
-                paired_report(runs, args.tolerance, args.metric)
+                paired_report(runs, args.tolerance, args.metric, args.target)
                 if args.paired
                 else report(args.root)
             )
             if args.plot:
                 accuracy_plot(runs, args.plot)
+            if args.out_dir:
+                for path in write_report(
+                    runs,
+                    args.out_dir,
+                    tolerance=args.tolerance,
+                    metrics=args.metric,
+                    target=args.target,
+                ):
+                    print(f"wrote {path}", file=sys.stderr)
         else:
             text = report(args.root)
     except (FileNotFoundError, ValueError) as exc:

@@ -2,13 +2,38 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 from typing import Any
 
 from experiments.runtime import ray_temp_dir
 from fedcomp.codecs import make_codec_from_spec
 from fedcomp.data import check_data_settings
+from fedcomp.models import check_model
 from fedcomp.settings import Settings, validate
+
+
+def check_devices(settings: Settings) -> None:
+    """GPUs asked for must exist: Ray would otherwise wait forever for the resource."""
+    import torch
+
+    gpus = settings.simulation.gpus_per_client
+    if (gpus > 0 or settings.train.device == "cuda") and not torch.cuda.is_available():
+        key, value = ("simulation.gpus_per_client", gpus) if gpus > 0 else ("train.device", "cuda")
+        raise ValueError(
+            f"invalid setting {key}={value!r}: torch sees no CUDA device on this machine "
+            "(set simulation.gpus_per_client=0 and train.device=auto)"
+        )
+
+
+def absolute_paths(settings: Settings) -> Settings:
+    """Ray workers may start elsewhere: make a relative dataset.path absolute."""
+    path = settings.dataset.path
+    if not path or os.path.isabs(path):
+        return settings
+    dataset = dataclasses.replace(settings.dataset, path=os.path.abspath(path))
+    return dataclasses.replace(settings, dataset=dataset)
 
 
 def backend_config(settings: Settings, *, verbose: bool = False) -> dict[str, Any]:
@@ -35,7 +60,9 @@ def preflight(settings: Settings) -> None:
     """Every check that can fail, run before Ray starts: values, data sizes, codec and
     strategy specs (each raises ValueError naming the key and the value)."""
     validate(settings)
+    check_model(settings.model, settings.dataset.name)
     check_data_settings(settings)
+    check_devices(settings)
     make_codec_from_spec(settings.codec)
     from strategies.inner import make_inner_strategy
 
@@ -44,6 +71,7 @@ def preflight(settings: Settings) -> None:
 
 def simulate(settings: Settings, *, verbose: bool = False) -> dict[str, Any]:
     """Check everything (before Ray starts), run the simulation, return the results."""
+    settings = absolute_paths(settings)
     preflight(settings)
     from flwr.simulation import run_simulation
 

@@ -72,6 +72,9 @@ METRIC_REL_ERROR = "fedcomp.codec-rel-error"
 #: units of the public tau (they wrap unless the center is near them).
 METRIC_OUT_OF_RANGE = "fedcomp.out-of-range"
 
+#: Error reasons of injected faults (clients.faults) contain this, then the fault kind.
+FAULT_REASON_PREFIX = "fault injection: "
+
 #: Node-config keys a SuperNode may carry to name its stable id.
 NODE_CONFIG_STABLE_ID = "stable-id"
 NODE_CONFIG_PARTITION_ID = "partition-id"

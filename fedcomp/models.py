@@ -1,4 +1,18 @@
-"""Models, built from settings and initialized from an explicit seed."""
+"""Models, built from settings and initialized from an explicit seed.
+
+- ``mlp``: a ReLU perceptron on flattened inputs (any dataset).
+- ``cnn``: two 5x5 convolutions (same padding, ReLU, 2x2 max-pool) and two dense
+  layers; ``model.hidden = [c1, c2, fc]``. With [32, 64, 2048] on FEMNIST it is the
+  LEAF CNN (6,603,710 parameters, ``model=leaf_cnn``); with [32, 64, 512] on CIFAR-10
+  the small CNN of FedAvg-style experiments (``model=cnn``).
+- ``resnet18``: torchvision's ResNet-18 with the CIFAR stem (a 3x3 stride-1 first
+  convolution and no max-pool), 11.2M parameters; its BatchNorm layers carry
+  running statistics and an int64 ``num_batches_tracked`` buffer, which the tensor
+  policy sends raw.
+
+Every parameter is drawn from a generator derived from (seed, "model-init"), so a
+model is a function of its settings and seed, not of global RNG state.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +21,13 @@ import math
 import torch
 from torch import nn
 
+from fedcomp.data.sources import CATALOG, spec_of
 from fedcomp.rng import torch_generator
 from fedcomp.settings import ModelSettings
 
-#: Input and output sizes of each dataset, so models can be built without the data.
-DATASET_SHAPES = {"digits": (64, 10)}
+#: Input and output sizes of each dataset (flattened), kept for callers that size
+#: their own models; the catalog has the full shapes.
+DATASET_SHAPES = {name: (math.prod(s.shape), s.num_classes) for name, s in CATALOG.items()}
 
 
 class MLP(nn.Sequential):
@@ -27,26 +43,101 @@ class MLP(nn.Sequential):
         super().__init__(*layers)
 
 
-def _init_(model: nn.Module, generator: torch.Generator) -> None:
-    """PyTorch's default Linear init, U(-1/sqrt(fan_in), 1/sqrt(fan_in)), seeded."""
-    for module in model.modules():
-        if isinstance(module, nn.Linear):
-            bound = 1.0 / math.sqrt(module.in_features)
-            with torch.no_grad():
+class CNN(nn.Sequential):
+    """conv5x5(c1)-ReLU-pool2, conv5x5(c2)-ReLU-pool2, dense(fc)-ReLU, dense(classes)."""
+
+    def __init__(self, shape: tuple[int, int, int], widths: list[int], num_classes: int) -> None:
+        channels, height, width = shape
+        c1, c2, fc = widths
+        super().__init__(
+            nn.Conv2d(channels, c1, kernel_size=5, padding=2),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(c1, c2, kernel_size=5, padding=2),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(c2 * (height // 4) * (width // 4), fc),
+            nn.ReLU(),
+            nn.Linear(fc, num_classes),
+        )
+
+
+def cifar_resnet18(in_channels: int, num_classes: int) -> nn.Module:
+    """torchvision's ResNet-18 with the usual CIFAR stem: 3x3 stride-1 conv, no max-pool
+    (the ImageNet stem would shrink a 32x32 image to 8x8 before the first block)."""
+    from torchvision.models import resnet18
+
+    net = resnet18(weights=None, num_classes=num_classes)
+    net.conv1 = nn.Conv2d(in_channels, 64, kernel_size=3, stride=1, padding=1, bias=False)
+    net.maxpool = nn.Identity()
+    return net
+
+
+def _init_(model: nn.Module, generator: torch.Generator, conv_fan_out: bool) -> None:
+    """Seeded versions of the usual initializations.
+
+    Linear (and, for the CNN, Conv2d): PyTorch's default U(-1/sqrt(fan_in),
+    1/sqrt(fan_in)) for weights and biases. ResNet convolutions: Kaiming normal
+    (fan_out, ReLU) as torchvision does; BatchNorm: weight 1, bias 0.
+    """
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Conv2d) and conv_fan_out:
+                nn.init.kaiming_normal_(
+                    module.weight, mode="fan_out", nonlinearity="relu", generator=generator
+                )
+                if module.bias is not None:
+                    module.bias.zero_()
+            elif isinstance(module, nn.Linear | nn.Conv2d):
+                fan_in = module.weight[0].numel()
+                bound = 1.0 / math.sqrt(fan_in)
                 module.weight.uniform_(-bound, bound, generator=generator)
-                module.bias.uniform_(-bound, bound, generator=generator)
+                if module.bias is not None:
+                    module.bias.uniform_(-bound, bound, generator=generator)
+            elif isinstance(module, nn.BatchNorm2d):
+                module.weight.fill_(1.0)
+                module.bias.zero_()
+
+
+def check_model(model: ModelSettings, dataset_name: str) -> None:
+    """Raise ValueError when the model cannot take the dataset's inputs.
+
+    The message names the model, the input shape and a model that fits.
+    """
+    spec = spec_of(dataset_name)
+    if model.name == "mlp":
+        return
+    if model.name not in ("cnn", "resnet18"):
+        raise ValueError(f"invalid setting model.name={model.name!r}: allowed: mlp, cnn, resnet18")
+    if not spec.is_image:
+        raise ValueError(
+            f"model.name={model.name!r} takes images (channels x height x width), but "
+            f"dataset '{dataset_name}' gives vectors of {spec.shape[0]} features: use "
+            f"model=mlp"
+        )
+    _, height, width = spec.shape
+    if model.name == "cnn" and min(height, width) < 4:
+        raise ValueError(
+            f"model.name='cnn' pools twice by 2 and needs images of at least 4x4; "
+            f"dataset '{dataset_name}' has {height}x{width}"
+        )
 
 
 def build_model(model: ModelSettings, dataset_name: str, seed: int) -> nn.Module:
     """Build and seed-initialize the configured model for a dataset."""
-    if dataset_name not in DATASET_SHAPES:
-        raise ValueError(f"no model input shape known for dataset.name={dataset_name!r}")
-    in_features, num_classes = DATASET_SHAPES[dataset_name]
-    if model.name == "mlp":
-        net = MLP(in_features, list(model.hidden), num_classes)
-    else:
-        raise ValueError(f"invalid setting model.name={model.name!r}: allowed: mlp")
-    _init_(net, torch_generator(seed, "model-init"))
+    check_model(model, dataset_name)
+    spec = spec_of(dataset_name)
+    # Module constructors draw from the global generator; fork it so building a model
+    # leaves global state alone (every parameter is re-drawn from the seed below).
+    with torch.random.fork_rng(devices=[]):
+        if model.name == "mlp":
+            net: nn.Module = MLP(math.prod(spec.shape), list(model.hidden), spec.num_classes)
+        elif model.name == "cnn":
+            net = CNN(spec.shape, list(model.hidden), spec.num_classes)  # type: ignore[arg-type]
+        else:
+            net = cifar_resnet18(spec.shape[0], spec.num_classes)
+    _init_(net, torch_generator(seed, "model-init"), conv_fan_out=model.name == "resnet18")
     return net
 
 

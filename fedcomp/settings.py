@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 from collections.abc import Mapping
@@ -31,9 +32,11 @@ if TYPE_CHECKING:  # a runtime import would load torch for every settings user
 
 JSON_PREFIX = "json:"
 
-DATASETS = ("digits",)
-PARTITIONS = ("dirichlet", "iid")
-MODELS = ("mlp",)
+DATASETS = ("digits", "femnist", "cifar10", "synthetic")
+PARTITIONS = ("dirichlet", "iid", "natural", "pathological")
+MODELS = ("mlp", "cnn", "resnet18")
+DEVICES = ("auto", "cpu", "cuda")
+PROGRESS = ("auto", "bar", "log", "off")
 STRATEGIES = (
     "fedavg",
     "fedavgm",
@@ -53,6 +56,14 @@ class DatasetSettings:
 
     name: str = "digits"
     test_fraction: float = 0.2
+    #: femnist, cifar10: a local copy (a datasets ``save_to_disk`` directory, parquet
+    #: file(s), or for cifar10 torchvision's ``cifar-10-batches-py``); "" = the hub
+    #: through flwr-datasets.
+    path: str = ""
+    #: synthetic only: number of samples, and the Student-t degrees of freedom of the
+    #: features (heavy tails below 4: infinite kurtosis; below 2: infinite variance).
+    num_samples: int = 6000
+    tail_df: float = 3.0
 
 
 @dataclass
@@ -62,13 +73,19 @@ class PartitionSettings:
     name: str = "dirichlet"
     alpha: float = 0.3
     min_partition_size: int = 10
+    #: Pathological partitions: the number of distinct labels each client holds.
+    classes_per_client: int = 2
     #: Fraction of each client's partition held out for client-side evaluation.
     val_fraction: float = 0.2
 
 
 @dataclass
 class ModelSettings:
-    """The model family and its size."""
+    """The model family and its size.
+
+    ``hidden`` is the layer widths: mlp, the hidden layers; cnn, [conv1 channels,
+    conv2 channels, fully connected width]; resnet18 has a fixed width (empty list).
+    """
 
     name: str = "mlp"
     hidden: list[int] = field(default_factory=lambda: [512, 128])
@@ -82,6 +99,12 @@ class TrainSettings:
     batch_size: int = 32
     lr: float = 0.05
     momentum: float = 0.9
+    #: "auto" = CUDA when available, else the CPU.
+    device: str = "auto"
+    #: Heavy-tailed stress test: add ``noise_scale * Student-t(noise_df)`` to every
+    #: client's update after training (0 = off), the one-bit experiments' setting.
+    noise_df: float = 0.0
+    noise_scale: float = 0.0
 
 
 @dataclass
@@ -105,6 +128,29 @@ class AggregationSettings:
     chunk_size: int = 65536
     refresh_rounds: int = 1
     stats: str = "current"
+    #: Bounded influence: a client's reported num-examples is capped at this multiple
+    #: of the round's median report (0 = no cap), so no client dominates the mean.
+    weight_cap: float = 0.0
+    #: Absurd updates: a decoded update whose L2 norm exceeds this multiple of the
+    #: round's median norm is scaled down to it (0 = off; joint codes are bounded by
+    #: construction and skip it).
+    norm_cap: float = 0.0
+
+
+@dataclass
+class FaultSettings:
+    """Fault injection (simulation and tests): each train reply, with these
+    probabilities (at most one fault per reply), drawn from (run seed, round, stable id).
+
+    drop_reply: the reply is lost after training (an error reply marked as a drop);
+    crash_client: the ClientApp raises before training; corrupt_payload: one payload is
+    truncated after encoding; nan_update: the trained model turns NaN before encoding.
+    """
+
+    drop_reply: float = 0.0
+    crash_client: float = 0.0
+    corrupt_payload: float = 0.0
+    nan_update: float = 0.0
 
 
 @dataclass
@@ -138,9 +184,20 @@ class Settings:
     fraction_train: float = 1.0
     fraction_evaluate: float = 1.0
     aggregation: AggregationSettings = field(default_factory=AggregationSettings)
+    faults: FaultSettings = field(default_factory=FaultSettings)
     simulation: SimulationSettings = field(default_factory=SimulationSettings)
     #: Where the ServerApp writes results.json ("" = do not write).
     results_path: str = ""
+    #: Simulation diagnostics: clients also write their exact updates here (outside
+    #: the messages) and each round records the aggregate's error against their exact
+    #: mean (fedcomp.diagnostics). "" = off.
+    diagnostics_dir: str = ""
+    #: Continue the stopped run in this directory from its last checkpoint (runs with a
+    #: results_path write one after every round). "" = a new run.
+    resume: str = ""
+    #: Progress display: "bar" (one line updated in place on stderr), "log" (a progress
+    #: log line at most once a minute), "auto" (bar when stderr is a terminal, else log).
+    progress: str = "auto"
 
 
 # ---------------------------------------------------------------------------------
@@ -260,7 +317,20 @@ def validate(settings: Settings) -> Settings:
     _check_choice("dataset.name", s.dataset.name, DATASETS)
     if not 0.0 < s.dataset.test_fraction < 1.0:
         _fail("dataset.test_fraction", s.dataset.test_fraction, "must be in (0, 1)")
+    if s.dataset.num_samples < 2:
+        _fail("dataset.num_samples", s.dataset.num_samples, "must be >= 2")
+    if not s.dataset.tail_df > 0.0:
+        _fail("dataset.tail_df", s.dataset.tail_df, "Student-t degrees of freedom must be > 0")
     _check_choice("partition.name", s.partition.name, PARTITIONS)
+    if s.partition.name == "natural" and s.dataset.name != "femnist":
+        _fail(
+            "partition.name",
+            s.partition.name,
+            f"a natural (per-writer) partition needs writer ids, which only femnist has "
+            f"(dataset.name={s.dataset.name!r}): use dirichlet, pathological or iid",
+        )
+    if s.partition.classes_per_client < 1:
+        _fail("partition.classes_per_client", s.partition.classes_per_client, "must be >= 1")
     if s.partition.alpha <= 0.0:
         _fail("partition.alpha", s.partition.alpha, "the Dirichlet alpha must be > 0")
     if s.partition.min_partition_size < 1:
@@ -268,8 +338,7 @@ def validate(settings: Settings) -> Settings:
     if not 0.0 <= s.partition.val_fraction < 1.0:
         _fail("partition.val_fraction", s.partition.val_fraction, "must be in [0, 1)")
     _check_choice("model.name", s.model.name, MODELS)
-    if not s.model.hidden or any(h <= 0 for h in s.model.hidden):
-        _fail("model.hidden", s.model.hidden, "a non-empty list of positive layer widths")
+    _check_model_widths(s.model)
     if s.train.local_epochs <= 0:
         _fail("train.local_epochs", s.train.local_epochs, "must be a positive integer")
     if s.train.batch_size <= 0:
@@ -278,6 +347,12 @@ def validate(settings: Settings) -> Settings:
         _fail("train.lr", s.train.lr, "must be > 0")
     if not 0.0 <= s.train.momentum < 1.0:
         _fail("train.momentum", s.train.momentum, "must be in [0, 1)")
+    _check_choice("train.device", s.train.device, DEVICES)
+    if s.train.noise_df < 0 or not math.isfinite(s.train.noise_df):
+        _fail("train.noise_df", s.train.noise_df, "must be 0 (off) or a positive number")
+    if s.train.noise_scale < 0 or not math.isfinite(s.train.noise_scale):
+        _fail("train.noise_scale", s.train.noise_scale, "must be a finite number >= 0")
+    _check_choice("progress", s.progress, PROGRESS)
     if "name" not in s.codec:
         _fail("codec", s.codec, "a codec spec needs a 'name'")
     if s.policy.min_numel < 0:
@@ -289,6 +364,15 @@ def validate(settings: Settings) -> Settings:
     _check_fraction("fraction_evaluate", s.fraction_evaluate, allow_zero=True)
     _check_choice("aggregation.handoff", s.aggregation.handoff, HANDOFFS)
     a = s.aggregation
+    # Joint codes (fedcomp.codecs.JOINT_CODES; not imported here: it would load torch)
+    # decode only the mean of all replies.
+    if s.codec.get("name") == "onebit" and a.handoff != "pre_aggregated":
+        _fail(
+            "aggregation.handoff",
+            a.handoff,
+            "codec onebit is a joint code (the server decodes only the mean of all "
+            "replies): use aggregation=pre_aggregated",
+        )
     tree_config(s)  # TreeConfig's own checks name the aggregation.* key
     if (a.tree != "sum" or a.dtype != "fp32" or a.root_fp32) and a.handoff != "pre_aggregated":
         _fail(
@@ -297,6 +381,16 @@ def validate(settings: Settings) -> Settings:
             "trees and low precision need aggregation.handoff="
             "pre_aggregated (per-client mode hands every reply to the inner strategy)",
         )
+    if a.weight_cap != 0 and not (math.isfinite(a.weight_cap) and a.weight_cap >= 1):
+        _fail("aggregation.weight_cap", a.weight_cap, "must be 0 (off) or a number >= 1")
+    if a.norm_cap != 0 and not (math.isfinite(a.norm_cap) and a.norm_cap >= 1):
+        _fail("aggregation.norm_cap", a.norm_cap, "must be 0 (off) or a number >= 1")
+    rates = dataclasses.asdict(s.faults)
+    for key, rate in rates.items():
+        if not (isinstance(rate, int | float) and 0.0 <= rate <= 1.0):
+            _fail(f"faults.{key}", rate, "must be a probability in [0, 1]")
+    if sum(rates.values()) > 1.0:
+        _fail("faults", rates, "the fault probabilities must sum to at most 1")
     if s.simulation.num_cpus <= 0:
         _fail("simulation.num_cpus", s.simulation.num_cpus, "must be a positive integer")
     if s.simulation.cpus_per_client <= 0:
@@ -306,6 +400,21 @@ def validate(settings: Settings) -> Settings:
     if s.simulation.round_timeout <= 0:
         _fail("simulation.round_timeout", s.simulation.round_timeout, "must be > 0")
     return s
+
+
+def _check_model_widths(model: ModelSettings) -> None:
+    hidden = model.hidden
+    if model.name == "mlp" and (not hidden or any(h <= 0 for h in hidden)):
+        _fail("model.hidden", hidden, "a non-empty list of positive layer widths")
+    if model.name == "cnn" and (len(hidden) != 3 or any(h <= 0 for h in hidden)):
+        _fail(
+            "model.hidden",
+            hidden,
+            "cnn takes [conv1 channels, conv2 channels, fully connected width], "
+            "e.g. [32, 64, 2048] (model=leaf_cnn) or [32, 64, 512] (model=cnn)",
+        )
+    if model.name == "resnet18" and hidden:
+        _fail("model.hidden", hidden, "resnet18 has a fixed width: use model=resnet18 (hidden: [])")
 
 
 def tree_config(settings: Settings) -> TreeConfig:

@@ -137,7 +137,9 @@ def round_record(
         "failures": counts.get("failures", 0),
         "resyncs": counts.get("resyncs", 0),
         "nonfinite": counts.get("nonfinite", 0),
-        "faults": {},
+        "faults": dict(counts.get("faults", {})),
+        "capped": counts.get("capped", 0),
+        "clipped": counts.get("clipped", 0),
         **({"diagnostics": counts["diagnostics"]} if "diagnostics" in counts else {}),
         "codec": {
             "spec": dict(codec_spec),

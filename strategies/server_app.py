@@ -10,15 +10,20 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
-from flwr.app import ArrayRecord, Context, MetricRecord
+from flwr.app import Array, ArrayRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
+from fedcomp.checkpoint import Checkpoint, check_compatible, load_checkpoint, save_checkpoint
 from fedcomp.codecs import TensorPolicy
 from fedcomp.data import server_test_set
+from fedcomp.diagnostics import aggregate_error
 from fedcomp.models import build_model
+from fedcomp.progress import ProgressReporter
 from fedcomp.results import build_results, write_results
 from fedcomp.settings import (
     Settings,
@@ -27,7 +32,7 @@ from fedcomp.settings import (
     tree_config,
     validate,
 )
-from fedcomp.training import evaluate
+from fedcomp.training import evaluate, select_device
 from strategies.inner import make_inner_strategy
 from strategies.records import fmt
 from strategies.wrapper import CompressedStrategy
@@ -35,7 +40,16 @@ from strategies.wrapper import CompressedStrategy
 log = logging.getLogger(__name__)
 
 #: Settings the ClientApp needs; sent to every client in its message config.
-CLIENT_TASK_KEYS = ("seed", "num_clients", "dataset", "partition", "model", "train")
+CLIENT_TASK_KEYS = (
+    "seed",
+    "num_clients",
+    "dataset",
+    "partition",
+    "model",
+    "train",
+    "diagnostics_dir",
+    "faults",
+)
 
 
 def client_task(settings: Settings) -> dict[str, Any]:
@@ -46,15 +60,65 @@ def client_task(settings: Settings) -> dict[str, Any]:
 
 def make_evaluate_fn(settings: Settings) -> Callable[[int, ArrayRecord], MetricRecord]:
     """Centralized evaluation of the global model on the server's held-out test split."""
-    test_set = server_test_set(settings.dataset)
+    test_set = server_test_set(settings)
     model = build_model(settings.model, settings.dataset.name, settings.seed)
+    device = select_device(settings.train.device)
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         model.load_state_dict(arrays.to_torch_state_dict())
-        loss, acc = evaluate(model, test_set)
+        loss, acc = evaluate(model, test_set, device=device)
         return MetricRecord({"accuracy": acc, "loss": loss})
 
     return evaluate_fn
+
+
+def _update_probe(directory: str):
+    """The wrapper's diagnostics hook: the applied update against the exact mean."""
+    if not directory:
+        return None
+
+    def probe(server_round, global_arrays, new_arrays, stable_ids):
+        return aggregate_error(directory, server_round, stable_ids, global_arrays, new_arrays)
+
+    return probe
+
+
+def _checkpoint(run_dir: Path, strategy: CompressedStrategy, settings: Settings) -> None:
+    """After every round: the model, the wrapper's and inner strategy's state, records."""
+    arrays = strategy.last_arrays
+    if arrays is None or not strategy.rounds:
+        return
+    save_checkpoint(
+        run_dir,
+        Checkpoint(
+            round=strategy.rounds[-1]["round"],
+            arrays={k: np.asarray(v.numpy()) for k, v in arrays.items()},
+            strategy=strategy.state_dict(),
+            inner=strategy.strategy,
+            rounds=list(strategy.rounds),
+            initial_evaluation=strategy.initial_evaluation,
+            settings=settings_to_dict(settings),
+        ),
+    )
+
+
+def _resume(settings: Settings, strategy: CompressedStrategy) -> tuple[ArrayRecord, int]:
+    """Restore a stopped run's state into ``strategy``; the model and the next round."""
+    ckpt = load_checkpoint(settings.resume)
+    check_compatible(ckpt.settings, settings_to_dict(settings))
+    if ckpt.round >= settings.num_rounds:
+        raise ValueError(
+            f"resume={settings.resume}: the run already finished round {ckpt.round} of "
+            f"num_rounds={settings.num_rounds}; raise num_rounds to continue it"
+        )
+    strategy.load_state_dict(ckpt.strategy)
+    strategy.strategy = ckpt.inner  # the inner strategy's own state (FedAdam moments ...)
+    strategy.rounds = list(ckpt.rounds)
+    strategy.initial_evaluation = ckpt.initial_evaluation
+    log.info("resuming %s after round %d of %d", settings.resume, ckpt.round,
+             settings.num_rounds)
+    arrays = ArrayRecord({k: Array(v) for k, v in ckpt.arrays.items()})
+    return arrays, ckpt.round + 1
 
 
 def run_server(
@@ -66,6 +130,17 @@ def run_server(
     validate(settings)
     t0 = time.perf_counter()
     model = build_model(settings.model, settings.dataset.name, settings.seed)
+    progress = ProgressReporter(settings.num_rounds, settings.progress)
+
+    run_dir = Path(settings.results_path).parent if settings.results_path else None
+
+    def round_done(record: dict[str, Any]) -> None:
+        progress.update(record)
+        if run_dir is not None:
+            _checkpoint(run_dir, strategy, settings)
+        if on_round is not None:
+            on_round(record)
+
     strategy = CompressedStrategy(
         make_inner_strategy(settings.strategy, settings.num_clients),
         codec=settings.codec,
@@ -79,17 +154,27 @@ def run_server(
         mirror_dir=settings.aggregation.mirror_dir or None,
         trees=tree_config(settings),
         identity_timeout=settings.simulation.round_timeout,
-        on_round=on_round,
+        on_round=round_done,
+        update_probe=_update_probe(settings.diagnostics_dir),
+        weight_cap=settings.aggregation.weight_cap,
+        norm_cap=settings.aggregation.norm_cap,
     )
     with torch.no_grad():
         initial = ArrayRecord(model.state_dict())
-    strategy.start(
-        grid=grid,
-        initial_arrays=initial,
-        num_rounds=settings.num_rounds,
-        timeout=settings.simulation.round_timeout,
-        evaluate_fn=make_evaluate_fn(settings),
-    )
+    first_round = 1
+    if settings.resume:
+        initial, first_round = _resume(settings, strategy)
+    try:
+        strategy.start(
+            grid=grid,
+            initial_arrays=initial,
+            num_rounds=settings.num_rounds,
+            timeout=settings.simulation.round_timeout,
+            evaluate_fn=make_evaluate_fn(settings),
+            first_round=first_round,
+        )
+    finally:
+        progress.close()
     rounds = strategy.rounds
     results = build_results(settings_to_dict(settings), rounds, wall_s=time.perf_counter() - t0)
     initial_eval = strategy.initial_evaluation or {}

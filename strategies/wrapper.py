@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -59,6 +60,7 @@ from fedcomp.codecs import (
 from fedcomp.codecs.residual import SYNC_FULL, SYNC_RESTART
 from fedcomp.controlvariates import ControlVariateServer, MirrorStore, ResyncRequired
 from fedcomp.keys import (
+    FAULT_REASON_PREFIX,
     KEY_ACK_ROUND,
     KEY_CODEC,
     KEY_CV_CHECKSUM,
@@ -156,6 +158,13 @@ class CompressedStrategy(Strategy):
         Seconds to wait for ``expected_nodes`` nodes to connect.
     on_round : callable, optional
         Called with each finished round's record (the results.json round shape).
+    weight_cap : float
+        Cap each reply's num-examples at this multiple of the round's median report
+        (0: no cap): one client cannot dominate the mean by claiming a huge count.
+    norm_cap : float
+        Scale any decoded update whose L2 norm exceeds this multiple of the round's
+        median norm down to it (0: off). Clipping, not rejection: a residual mirror has
+        already moved with the reply, and the client's state must stay in step.
     update_probe : callable, optional
         Diagnostics: ``probe(round, global_arrays, new_arrays, stable_ids)`` returns
         numbers recorded as the round's ``diagnostics`` (e.g. the aggregate's error
@@ -179,6 +188,8 @@ class CompressedStrategy(Strategy):
         identity_timeout: float = 600.0,
         on_round: Callable[[dict[str, Any]], None] | None = None,
         update_probe: Callable[..., Mapping[str, float]] | None = None,
+        weight_cap: float = 0.0,
+        norm_cap: float = 0.0,
     ) -> None:
         if not isinstance(strategy, Strategy):
             raise TypeError(f"strategy must be a Flower Strategy, found {type(strategy)}")
@@ -243,11 +254,19 @@ class CompressedStrategy(Strategy):
         self.identity_timeout = identity_timeout
         self.on_round = on_round
         self.update_probe = update_probe
+        if weight_cap != 0 and not weight_cap >= 1:
+            raise ValueError(f"weight_cap={weight_cap!r}: use 0 (off) or a number >= 1")
+        self.weight_cap = float(weight_cap)
+        if norm_cap != 0 and not norm_cap >= 1:
+            raise ValueError(f"norm_cap={norm_cap!r}: use 0 (off) or a number >= 1")
+        self.norm_cap = float(norm_cap)
 
         self.ids = StableIds()
         self.rounds: list[dict[str, Any]] = []
         self.initial_evaluation: dict[str, float] | None = None
         self._num_rounds = 0
+        self._offset = 0
+        self.last_arrays: ArrayRecord | None = None
         self._state: _RoundState | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -271,20 +290,33 @@ class CompressedStrategy(Strategy):
         train_config: ConfigRecord | None = None,
         evaluate_config: ConfigRecord | None = None,
         evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+        first_round: int = 1,
     ) -> Result:
-        """Learn stable ids at first contact, then run Flower's round loop."""
+        """Learn stable ids at first contact, then run Flower's round loop.
+
+        ``first_round > 1`` resumes a run: Flower's loop counts from 1 again, the
+        wrapper (records, seeds, sampling, the inner strategy) sees the real round
+        numbers ``first_round .. num_rounds``.
+        """
+        if not 1 <= first_round <= num_rounds:
+            raise ValueError(f"first_round={first_round} is not in 1..{num_rounds}")
         self._num_rounds = num_rounds
+        self._offset = first_round - 1
         self.ids.refresh(grid, expected=self.expected_nodes, timeout=self.identity_timeout)
 
         def evaluate_and_close(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+            if server_round == 0 and self._offset:
+                return None  # resumed: the initial model was evaluated in the first run
+            server_round += self._offset if server_round else 0
             result = evaluate_fn(server_round, arrays) if evaluate_fn else None
+            self.last_arrays = arrays  # the model after this round (checkpoints)
             self._close_round(server_round, result)
             return result
 
         return super().start(
             grid,
             initial_arrays,
-            num_rounds,
+            num_rounds - self._offset,
             timeout,
             train_config,
             evaluate_config,
@@ -346,6 +378,7 @@ class CompressedStrategy(Strategy):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Sample over stable ids and send each client its own config."""
+        server_round += self._offset
         t_start = time.perf_counter()
         self.ids.refresh(grid, expected=self.expected_nodes, timeout=self.identity_timeout)
         state = _RoundState(number=server_round, t_start=t_start)
@@ -414,6 +447,7 @@ class CompressedStrategy(Strategy):
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Validate and decode every reply, then hand over to the inner strategy."""
+        server_round += self._offset
         state = self._state
         if state is None or state.number != server_round:
             raise RuntimeError("aggregate_train called without configure_train for this round")
@@ -427,6 +461,10 @@ class CompressedStrategy(Strategy):
             row["uplink_wire_bytes"] = wire_bytes(msg)
             if msg.has_error():
                 failures += 1
+                injected = re.search(FAULT_REASON_PREFIX + r"(\w+)", str(msg.error.reason))
+                kind = injected.group(1) if injected else "error_reply"
+                faults = state.record.setdefault("faults", {})
+                faults[kind] = faults.get(kind, 0) + 1
                 log.warning(
                     "round %d: client %s replied with an error: %s",
                     server_round,
@@ -444,6 +482,8 @@ class CompressedStrategy(Strategy):
                 continue
             except (ReplyError, PayloadError, ValueError, KeyError, TypeError) as exc:
                 failures += 1
+                faults = state.record.setdefault("faults", {})
+                faults["rejected_reply"] = faults.get("rejected_reply", 0) + 1
                 nonfinite += "non-finite" in str(exc)
                 log.warning("round %d: rejected reply of client %s: %s", server_round, sid, exc)
                 continue
@@ -453,6 +493,8 @@ class CompressedStrategy(Strategy):
         decode_s = time.perf_counter() - t0
 
         decoded.sort(key=lambda d: d.stable_id)  # reply order never matters
+        state.record["capped"] = self._cap_weights(decoded)
+        state.record["clipped"] = self._clip_norms(decoded)
         t1 = time.perf_counter()
         arrays, metrics = self._hand_over(server_round, decoded, state)
         aggregate_s = time.perf_counter() - t1
@@ -474,6 +516,52 @@ class CompressedStrategy(Strategy):
             aggregate_s=aggregate_s,
         )
         return arrays, metrics
+
+    def _cap_weights(self, decoded: list[_Decoded]) -> int:
+        """Cap num-examples at ``weight_cap`` x the round's median; return how many."""
+        if self.weight_cap <= 0 or not decoded:
+            return 0
+        cap = self.weight_cap * float(np.median([d.weight for d in decoded]))
+        capped = 0
+        for item in decoded:
+            if item.weight > cap:
+                item.weight = cap
+                item.metrics[KEY_NUM_EXAMPLES] = cap  # what the inner strategy weighs by
+                capped += 1
+        return capped
+
+    def _clip_norms(self, decoded: list[_Decoded]) -> int:
+        """Scale updates beyond ``norm_cap`` x the median norm down to it; return how many.
+
+        Needs three replies or more (a median of two is no robust scale)."""
+        if self.norm_cap <= 0 or len(decoded) < 3 or self.joint:
+            return 0
+        norms = [
+            float(
+                np.sqrt(
+                    sum(
+                        np.sum(np.square(v, dtype=np.float64))
+                        for v in d.deltas.values()
+                        if v.dtype.kind == "f"
+                    )
+                )
+            )
+            for d in decoded
+        ]
+        cap = self.norm_cap * float(np.median(norms))
+        clipped = 0
+        for item, norm in zip(decoded, norms, strict=True):
+            if norm > cap > 0:
+                factor = cap / norm
+                item.deltas = {
+                    k: (v * factor).astype(v.dtype) if v.dtype.kind == "f" else v
+                    for k, v in item.deltas.items()
+                }
+                clipped += 1
+                log.warning(
+                    "client %s: update norm %.3g clipped to %.3g", item.stable_id, norm, cap
+                )
+        return clipped
 
     def _client_metrics(self, item: _Decoded) -> MetricRecord:
         return MetricRecord(
@@ -510,8 +598,8 @@ class CompressedStrategy(Strategy):
             updates, weights = [d.deltas for d in decoded], [d.weight for d in decoded]
             if state.joint is not None:
                 mean = weighted_mean(updates, weights) if updates[0] else {}
-                mean.update(
-                    joint_mean(
+                try:
+                    joint = joint_mean(
                         self.codec,
                         state.joint,
                         self.joint_state,
@@ -520,7 +608,11 @@ class CompressedStrategy(Strategy):
                         run_seed=self.run_seed,
                         server_round=server_round,
                     )
-                )
+                except ValueError as exc:  # e.g. a non-finite mean: keep the model
+                    log.warning("round %d: joint decoding failed: %s", server_round, exc)
+                    state.record["joint"] = {"error": str(exc)}
+                    return None, None
+                mean.update(joint)
                 state.record["joint"] = dict(state.joint.stats)
             elif self.trees == TreeConfig():
                 mean = weighted_mean(updates, weights)
@@ -580,6 +672,7 @@ class CompressedStrategy(Strategy):
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
+        server_round += self._offset
         template = list(self.strategy.configure_evaluate(server_round, arrays, config, grid))
         if not template:
             return []
@@ -594,6 +687,7 @@ class CompressedStrategy(Strategy):
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
         """Aggregate client evaluation metrics in stable-id order."""
+        server_round += self._offset
         valid = []
         for msg in replies:
             sid = self.ids.stable_of(msg.metadata.src_node_id)

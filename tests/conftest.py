@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
+# Nothing downloads at test time: datasets and huggingface_hub fail at once when a
+# test asks for a hub dataset (they read these when first imported).
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 import pytest
 
 import experiments  # noqa: F401  (sets FLWR_TELEMETRY_ENABLED, FLWR_HOME, Ray temp dir)
@@ -12,3 +20,20 @@ from experiments.inprocess import set_task_identity
 def _task_identity() -> None:
     """Flower Messages built outside a runtime need the task identity fields."""
     set_task_identity()
+
+
+@pytest.fixture(scope="session")
+def data_fixtures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny FEMNIST and CIFAR-10 copies in every supported on-disk format
+    (experiments.fixtures): keys femnist, femnist_parquet, cifar_pickle, cifar_disk,
+    cifar_parquet; values are what ``dataset.path`` takes."""
+    from experiments.fixtures import write_cifar10, write_femnist
+
+    root = tmp_path_factory.mktemp("data")
+    return {
+        "femnist": write_femnist(root, "disk"),
+        "femnist_parquet": write_femnist(root, "parquet"),
+        "cifar_pickle": write_cifar10(root, "pickle"),
+        "cifar_disk": write_cifar10(root, "disk"),
+        "cifar_parquet": write_cifar10(root, "parquet"),
+    }

@@ -9,8 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from fedcomp.data import check_data_settings, client_datasets, load_arrays, partition_indices
-from fedcomp.data.federated import _test_train_indices
+from fedcomp.data import (
+    check_data_settings,
+    client_datasets,
+    load_arrays,
+    partition_indices,
+    split_rows,
+)
 from fedcomp.models import build_model, num_parameters
 from fedcomp.results import ResultsError, build_results, validate_results
 from fedcomp.settings import ModelSettings, Settings, settings_from_dict
@@ -19,7 +24,7 @@ from fedcomp.settings import ModelSettings, Settings, settings_from_dict
 def test_partitions_are_disjoint_and_cover_the_training_split() -> None:
     s = Settings()
     parts = partition_indices(s)
-    test_idx, train_idx = _test_train_indices(s.dataset.name, s.dataset.test_fraction)
+    test_idx, train_idx = split_rows(s)
     joined = np.concatenate(parts)
     assert len(parts) == s.num_clients
     assert joined.size == np.unique(joined).size  # disjoint

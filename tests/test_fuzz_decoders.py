@@ -115,3 +115,41 @@ def test_random_bodies_behind_a_valid_magic(header: bytes, body: bytes) -> None:
     head[0:2] = b"FC"
     head[2] = 1  # the current format version: the codecs' own parsers get exercised
     _decode_or_reject(bytes(head) + body)
+
+
+_ONEBIT = None
+
+
+def _onebit_plan():
+    """A valid one-bit reply and the plan the server checks it against."""
+    global _ONEBIT
+    if _ONEBIT is None:
+        from fedcomp.onebit import OneBitCode
+
+        code = OneBitCode(bits=2, lam=10.0, block=16)
+        x = torch.randn(7, 11, generator=torch.Generator().manual_seed(0))
+        payload = bytes(code.encode(x, client_index=1, num_clients=3, seed=5, tau=0.5))
+        _ONEBIT = (code, payload)
+    return _ONEBIT
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(mutation, min_size=1, max_size=3))
+def test_mutated_onebit_replies_are_accepted_or_rejected_cleanly(ops: list) -> None:
+    """The joint code's per-reply check (the wrapper's gate before joint decoding):
+    a mutated reply passes only if it still matches the public plan exactly, and then
+    the decoder takes it; anything else is a PayloadError."""
+    code, buf = _onebit_plan()
+    for op in ops:
+        buf = _mutate(buf, op)
+    plan = {"client_index": 1, "num_clients": 3, "seed": 5, "tau": 0.5, "shape": (7, 11)}
+    t0 = time.perf_counter()
+    try:
+        code.check(buf, **plan)
+    except PayloadError:
+        return
+    mean = code.decode_mean(
+        [buf], client_indices=[1], num_clients=3, seed=5, tau=0.5, shape=(7, 11)
+    )
+    assert mean.shape == (7, 11) and torch.isfinite(mean).all()
+    assert time.perf_counter() - t0 < 2.0

@@ -197,11 +197,15 @@ def test_unbiased_given_the_center_with_client_weights(refine):
     _assert_unbiased(est, exact)
 
 
-def test_ratio_estimator_unbiased_when_a_third_of_the_clients_drop():
-    """The target is the mean of the clients that replied (all the server can know)."""
+@pytest.mark.parametrize("offset", [5.0, 300.0])
+def test_unbiased_when_a_third_of_the_clients_drop(offset):
+    """The target is the mean of the clients that replied (all the server can know).
+    offset 300 (center 0) puts the mass on the coarse scales, whose queries have about
+    one answer per coordinate: a per-coordinate ratio estimator fails there (it gave
+    113 for 300)."""
     rng = np.random.default_rng(4)
     n, d = 60, 256
-    x = (rng.standard_t(4, (n, d)) + 5.0).astype(np.float32)
+    x = (rng.standard_t(4, (n, d)) + offset).astype(np.float32)
     kept = np.sort(rng.choice(n, 40, replace=False))
     code = OneBitCode(bits=2, center="zero", block=64)
     est = _monte_carlo(code, x[kept], reps=150, indices=kept, n=n)
@@ -272,6 +276,45 @@ def test_center_decode_on_concentrated_data_across_the_range():
     assert np.max(np.abs(result.center - offsets)) <= 2.0
 
 
+def test_center_votes_are_one_per_client_whatever_the_weights():
+    """Weights scale contributions, never votes: heavy clients do not skew the center,
+    and neither does one client far away (one vote among many per level)."""
+    n, lam = 200, 100.0
+    code = OneBitCode(bits=1, lam=lam, block=64)
+    offsets = np.linspace(-lam, lam, 129)
+    rng = np.random.default_rng(21)
+    x = (offsets + 0.05 * rng.standard_normal((n, offsets.size))).astype(np.float32)
+    x[3] = 1e6  # an extreme client
+    weights = np.ones(n)
+    weights[:5] = 200.0
+    _, result = code.decode(
+        _encode_all(code, x, seed=4),
+        client_indices=list(range(n)),
+        num_clients=n,
+        seed=4,
+        tau=1.0,
+        shape=(offsets.size,),
+        weights=weights,
+    )
+    assert np.max(np.abs(result.center - offsets)) <= 2.0
+
+
+def test_more_groups_than_replies_still_decode_a_finite_mean():
+    rng = np.random.default_rng(22)
+    x = (rng.standard_t(4, (3, 128)) + 1.0).astype(np.float32)
+    code = OneBitCode(bits=2, center="zero", groups=4, block=128)
+    est = code.decode_mean(
+        _encode_all(code, x, seed=2, n=10),
+        client_indices=[0, 1, 2],
+        num_clients=10,
+        seed=2,
+        tau=1.0,
+    )
+    assert torch.isfinite(est).all()
+    with pytest.raises(ValueError, match="base_share"):
+        OneBitCode(base_share=0.6)
+
+
 def test_localization_stops_on_balanced_and_empty_votes():
     periods = (64.0, 32.0, 16.0)
     start = np.array([5.0, 5.0, 5.0])
@@ -332,14 +375,14 @@ def test_wrong_tau_degrades_gracefully(factor):
 
 
 def test_median_of_means_decodes_close_to_the_mean():
+    """Symmetric noise: the median of unbiased group means is unbiased too (it is biased
+    for skewed tails, which is why it is off by default)."""
     rng = np.random.default_rng(13)
     n, d = 300, 256
     x = (rng.standard_t(4, (n, d)) + 2.0).astype(np.float32)
     code = OneBitCode(bits=2, center="zero", groups=3, block=256)
-    est = code.decode_mean(
-        _encode_all(code, x, seed=3), client_indices=list(range(n)), num_clients=n, seed=3, tau=1.0
-    )
-    assert np.mean((est.double().numpy() - x.mean(0)) ** 2) < 1.0
+    est = _monte_carlo(code, x, reps=40)
+    _assert_unbiased(est, x.astype(np.float64).mean(0))
 
 
 # --------------------------------------------------------------------------- influence
@@ -439,3 +482,16 @@ def test_next_tau_is_the_median_of_the_clients_scale_codes():
     assert tau.shape == (3,)
     # the median client has sigma 2; codes are quarter-octave steps of a MAD estimate
     assert np.all(np.abs(np.log2(tau / 2.0)) < 0.25)
+
+
+def test_prefer_onebit_follows_the_crossover_rule():
+    from fedcomp.onebit.choice import prefer_onebit, tail_variance
+
+    assert tail_variance(4.0) < tail_variance(3.0) < tail_variance(2.5) < tail_variance(1.5)
+    # wide range, 1 bit, many clients: one-bit; a tight range or many bits: dithered uniform
+    assert prefer_onebit(100.0, 1, 1000, 4.0)
+    assert not prefer_onebit(1.0, 1, 1000, 4.0)
+    assert not prefer_onebit(100.0, 8, 1000, 4.0)
+    # the in-band center needs n b >= 240 answers; side information does not
+    assert not prefer_onebit(1e4, 1, 16, 4.0)
+    assert prefer_onebit(1e4, 1, 16, 4.0, center="previous")

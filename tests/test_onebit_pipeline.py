@@ -185,3 +185,52 @@ def test_joint_code_needs_pre_aggregated_handoff():
             expected_nodes=2,
             handoff="per_client",
         )
+
+
+def test_settings_reject_onebit_without_pre_aggregated_handoff():
+    from fedcomp.settings import validate
+
+    with pytest.raises(ValueError, match=r"aggregation\.handoff.*per_client.*pre_aggregated"):
+        validate(settings_from_dict({"codec": SPEC}))
+    validate(settings_from_dict({"codec": SPEC, "aggregation": {"handoff": "pre_aggregated"}}))
+
+
+def test_hydra_preset_composes_to_valid_settings():
+    from hydra import compose, initialize_config_dir
+
+    from experiments.run import CONF_DIR, settings_from_cfg
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose(
+            config_name="config",
+            overrides=["+experiment=onebit_digits16", "codec=onebit", "diagnostics_dir="],
+        )
+    settings = settings_from_cfg(cfg)
+    assert settings.codec["name"] == "onebit" and settings.codec["center"] == "previous"
+    assert settings.aggregation.handoff == "pre_aggregated"
+    assert settings.train.noise_df == 2.5 and settings.num_clients == 16
+
+
+def test_heavy_tailed_perturbation_is_seeded_and_scaled():
+    import torch
+
+    from fedcomp.perturb import perturb_update
+
+    def noise(seed, stable_id):
+        torch.manual_seed(0)  # the same starting model each time
+        model = torch.nn.Linear(200, 100)
+        before = [p.detach().clone() for p in model.parameters()]
+        perturb_update(
+            model, df=2.5, scale=0.01, run_seed=seed, server_round=3, stable_id=stable_id
+        )
+        return torch.cat(
+            [(p.detach() - b).reshape(-1) for p, b in zip(model.parameters(), before, strict=True)]
+        )
+
+    a, b, c = noise(1, 4), noise(1, 4), noise(1, 5)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    # Student-t(2.5) times 0.01: median |noise| = 0.01 * t_{0.75}(2.5) (about 0.0074)
+    from scipy.stats import t as student_t
+
+    expected = 0.01 * student_t.ppf(0.75, 2.5)
+    assert abs(float(a.abs().median()) - expected) < 0.1 * expected

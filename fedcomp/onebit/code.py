@@ -44,6 +44,8 @@ FORMAT = 1
 _BODY = struct.Struct("<BBBBIIII")
 #: Robust spread: 1.4826 * median |x - reference| estimates the standard deviation.
 MAD_TO_SIGMA = 1.4826
+#: Largest factor by which tau may change from one round to the next.
+MAX_TAU_STEP = 4.0
 #: Scale codes: 4 steps per octave around 2^0 (code 128); 0 means "all zero".
 _CODE_STEPS = 4.0
 
@@ -153,8 +155,11 @@ class OneBitCode:
                 raise bad(key, "use a positive number")
         if not 0 <= self.min_resultant <= 2:
             raise bad("min_resultant", "use a number in [0, 2]")
-        if not 0 < self.base_share < 1:
-            raise bad("base_share", "use a number in (0, 1)")
+        if not 0 < self.base_share < 0.5:
+            # localization may take up to half the bits: refinement needs the rest
+            raise bad("base_share", "use a number in (0, 0.5)")
+        if not 1e-30 <= self.tau_prior <= 1e30:
+            raise bad("tau_prior", "use a number in [1e-30, 1e30] (it travels as float32)")
         if not math.isfinite(self.decay):
             raise bad("decay", "use a finite number")
         if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 1:
@@ -209,7 +214,10 @@ class OneBitCode:
         """CRC-32 of every public parameter: a stale or foreign config shows up as a
         mismatch instead of silently wrong bits."""
         head = repr((sorted(self.spec().items()), num_clients)).encode()
-        return zlib.crc32(taus.astype("<f8").tobytes(), zlib.crc32(head))
+        crc = zlib.crc32(taus.astype("<f8").tobytes(), zlib.crc32(head))
+        # The derived cuts too: a client whose float arithmetic differed would
+        # otherwise answer other queries without anyone noticing.
+        return zlib.crc32(self.query_set(taus, num_clients).cuts.tobytes(), crc)
 
     # ------------------------------------------------------------------ client
     def encode(
@@ -373,9 +381,10 @@ class OneBitCode:
             start=start,
             localize_center=self.center == "inband",
             min_resultant=self.min_resultant,
-            complete=len(payloads) == num_clients,
             groups=self.groups,
         )
+        if not np.all(np.isfinite(result.mean)):
+            raise ValueError("onebit: the decoded mean is not finite (check the weights)")
         mean = torch.from_numpy(result.mean * tau_k).to(torch.float32).reshape(shape)
         return mean, result
 
@@ -404,7 +413,10 @@ class OneBitCode:
         if not rows:
             return prev.copy()
         spread = np.median(scale_value(np.stack(rows)), axis=0)
-        return np.where(spread > 0, spread, prev)
+        new = np.where(spread > 0, spread, prev)
+        # At most 4x per round either way: with few clients the median is one client's
+        # code, and one absurd code must not set the scale of the next round.
+        return np.clip(new, prev / MAX_TAU_STEP, prev * MAX_TAU_STEP)
 
 
 def _as_float64(x: torch.Tensor | np.ndarray) -> np.ndarray:

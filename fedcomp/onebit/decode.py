@@ -196,7 +196,6 @@ def decode_joint(
     start: np.ndarray | None,
     localize_center: bool,
     min_resultant: float,
-    complete: bool,
     groups: int = 1,
 ) -> JointDecode:
     """Decode the weighted mean of z from the received clients' bits.
@@ -214,13 +213,19 @@ def decode_joint(
         Side information for the center, units of tau (None: 0).
     localize_center : bool
         Refine the center from the LOC answers (``center="inband"``).
-    complete : bool
-        Every selected client replied: Horvitz-Thompson with the planned inclusion
-        probabilities ``pi_q``. Otherwise the ratio estimator ``pi_q' = (answers of q
-        received) / (clients received)``, per coordinate.
     groups : int
-        Median of means over this many client groups (1: plain mean). Groups use the
-        ratio estimator within the group.
+        Median of means over this many client groups (1: plain mean; at most one group
+        per received client).
+
+    Notes
+    -----
+    Missing replies need no special estimator: whether a client answers query q is
+    public randomness, independent of who replied, so Horvitz-Thompson with the
+    PLANNED inclusion probabilities ``pi_q`` and ``W`` = the weight of the clients that
+    replied is unbiased for their weighted mean. (ONEBIT.md's per-coordinate ratio
+    ``pi_q' = answers received / n received`` is biased toward c: a coarse query with
+    no received answer at a coordinate drops its whole contribution. Measured: all
+    x = 300, 40 of 60 replying, the ratio decoder gave 113.)
     """
     n, b = qs.num_clients, qs.bits
     num_rx = received.client_indices.size
@@ -231,10 +236,10 @@ def decode_joint(
     lookup = SlotLookup(qs.cuts)
     weights = received.weights
     unit_weights = bool(np.all(weights == weights[0]))
+    groups = max(1, min(groups, num_rx))
     group_of = np.arange(num_rx) % groups
-    members = np.bincount(group_of, minlength=groups).astype(np.float64)
     group_weight = np.bincount(group_of, weights=weights, minlength=groups)
-    planned = complete and groups == 1
+    live = group_weight > 0  # a group whose clients all weigh 0 says nothing
     chunk = max(8, (DECODE_ENTRIES // max(1, num_rx * b)) // 8 * 8)
     mean = np.empty(numel)
     center_all = np.empty(numel)
@@ -261,27 +266,30 @@ def decode_joint(
         key *= count
         key += np.arange(count)[:, None]
         key = key.reshape(-1)
+        shape3 = (groups, num_q, count)
         if unit_weights:
             # One integer bincount of (key, bit) pairs gives both answers and ones.
             pairs = np.bincount(key * 2 + bits.reshape(-1), minlength=2 * size)
-            answers = pairs[0::2] + pairs[1::2]
-            s1 = pairs[1::2] * weights[0]
+            ones, answers = pairs[1::2], pairs[0::2] + pairs[1::2]
+            s1 = ones * weights[0]
             s0 = answers * weights[0]
         else:
-            answers = np.bincount(key, minlength=size)
             w_full = np.broadcast_to(weights.reshape(-1, 1, 1), q.shape).reshape(-1)
             s1 = np.bincount(key, weights=bits.reshape(-1) * w_full, minlength=size)
             s0 = np.bincount(key, weights=w_full, minlength=size)
-        shape3 = (groups, num_q, count)
-        answers, s1, s0 = answers.reshape(shape3), s1.reshape(shape3), s0.reshape(shape3)
+            ones = answers = None
+        s1, s0 = s1.reshape(shape3), s0.reshape(shape3)
         c0 = np.zeros(count) if start is None else start[first : first + count]
         if localize_center and num_loc:
             # Votes are unweighted: one client is one vote, whatever its weight.
+            if ones is None:
+                loc = (q < num_loc).reshape(-1)
+                loc_size = groups * num_q * count  # LOC rows are the first of each group
+                ones = np.bincount(key[loc], weights=bits.reshape(-1)[loc], minlength=loc_size)
+                answers = np.bincount(key[loc], minlength=loc_size)
             center, stopped = localize(
-                (s1[:, :num_loc] / weights.mean()).sum(axis=0)
-                if not unit_weights
-                else s1[:, :num_loc].sum(axis=0) / weights[0],
-                answers[:, :num_loc].sum(axis=0),
+                ones.reshape(shape3)[:, :num_loc].sum(axis=0),
+                answers.reshape(shape3)[:, :num_loc].sum(axis=0),
                 c0,
                 qs.geometry.periods,
                 min_resultant,
@@ -308,7 +316,6 @@ def decode_joint(
         # one BASE and two refinement queries per scale (ONEBIT.md, step 3).
         flat_s1 = s1.reshape(groups, -1)
         flat_s0 = s0.reshape(groups, -1)
-        flat_answers = answers.reshape(groups, -1)
         est = np.zeros((groups, count))
         arange = np.arange(count)
         for row in used:
@@ -321,17 +328,9 @@ def decode_joint(
             else:
                 at_center = answer(qs, qsel, center, None)
                 value = flat_s1[:, idx] - at_center * flat_s0[:, idx]
-            if planned:
-                est[0] += cf * value[0] / qs.inclusion[qsel]
-            else:
-                got = flat_answers[:, idx]
-                with np.errstate(invalid="ignore", divide="ignore"):
-                    est += np.where(got > 0, cf * value / got, 0.0)
-        if planned:
-            est = est[0] / group_weight[0]
-        else:
-            per_group = est * (members / group_weight)[:, None]
-            est = per_group[0] if groups == 1 else np.median(per_group, axis=0)
+            est += cf * value / qs.inclusion[qsel]
+        per_group = est[live] / group_weight[live, None]
+        est = per_group[0] if per_group.shape[0] == 1 else np.median(per_group, axis=0)
         mean[first : first + count] = center + est
         center_all[first : first + count] = center
     return JointDecode(mean=mean, center=center_all, stopped_early=stopped_total)

@@ -107,10 +107,20 @@ class SlotLookup:
         rank = np.arange(floor.size) - np.searchsorted(floor, floor, side="left")
         self.steps[rank, floor] = frac
 
+        # Slots holding several cuts (the tiny shares of the coarsest scales) are few:
+        # their entries take an exact binary search instead of one pass per cut.
+        self.cuts = cuts
+        self.deep = per_slot > 1
+
     def __call__(self, slots: np.ndarray, offsets: np.ndarray) -> np.ndarray:
         q = self.base[slots]
-        for step in self.steps:
-            q += offsets >= step[slots]
+        if len(self.steps):
+            q += offsets >= self.steps[0][slots]
+        if len(self.steps) > 1:
+            deep = self.deep[slots]
+            if deep.any():
+                at = np.broadcast_to(offsets, slots.shape)[deep] + slots[deep]
+                q[deep] = np.searchsorted(self.cuts, at, side="right") - 1
         return q
 
 

@@ -184,8 +184,13 @@ def allocate(shares: np.ndarray, num_clients: int, bits: int) -> np.ndarray:
         counts[over] = num_clients
         remaining -= num_clients * np.count_nonzero(over)
         free &= ~over
-    # Tiny float drift must not leave the last cut short of n b.
-    return counts * (total / counts.sum())
+    # Tiny float drift must not leave the last cut short of n b: rescale only the
+    # uncapped counts (a capped count above n could hand a client one query twice).
+    capped = counts >= num_clients
+    rest = counts[~capped].sum()
+    if rest > 0:
+        counts[~capped] *= (total - num_clients * np.count_nonzero(capped)) / rest
+    return counts
 
 
 def build_query_set(
@@ -223,6 +228,11 @@ def build_query_set(
     base_total = base_share if ref_mask.any() else 1.0 - loc_total
     rel_arr[kind == KIND_BASE] *= base_total
     rel_arr[ref_mask] *= max(0.0, 1.0 - loc_total - base_total)
+    if ref_mask.any() and 1.0 - loc_total - base_total <= 0:
+        raise ValueError(
+            f"onebit: base_share={base_share} and the localization share {loc_total:.2f} "
+            "leave no bits for the refinement queries; lower base_share"
+        )
     counts = allocate(rel_arr, num_clients, bits)
     cuts = np.concatenate([[0.0], np.cumsum(counts)])
     cuts[-1] = float(num_clients * bits)

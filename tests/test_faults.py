@@ -1,0 +1,163 @@
+"""Fault injection (clients.faults) and bounded influence, through the real mod and
+wrapper in-process: every fault kind becomes a counted failure and training carries on,
+control variates stay synchronized, and reported weights are capped."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+
+from clients.client_app import make_client_app
+from clients.faults import KINDS, draw_fault
+from experiments.inprocess import InProcessGrid, Spy, initial_arrays
+from fedcomp.keys import KEY_NUM_EXAMPLES
+from fedcomp.settings import settings_from_dict, validate
+from strategies.inner import make_inner_strategy
+from strategies.server_app import client_task
+from strategies.wrapper import CompressedStrategy
+from tests.test_residual_protocol import _assert_mirrors_match
+
+N = 4
+
+
+def _setup(codec, faults=None, weight_cap=0.0, inner_mods=None, tamper=None):
+    settings = settings_from_dict(
+        {
+            "num_clients": N,
+            "fraction_evaluate": 0.0,
+            "codec": codec,
+            "faults": faults or {},
+            "train": {"local_epochs": 1},
+        }
+    )
+    grid = InProcessGrid(make_client_app(inner_mods=inner_mods), N, tamper=tamper)
+    strategy = CompressedStrategy(
+        make_inner_strategy({"name": "fedavg"}, N),
+        codec=settings.codec,
+        run_seed=settings.seed,
+        expected_nodes=N,
+        fraction_evaluate=0.0,
+        task=client_task(settings),
+        identity_timeout=5,
+        weight_cap=weight_cap,
+    )
+    return settings, grid, strategy
+
+
+def _rounds(strategy, grid, arrays, rounds):
+    strategy.ids.refresh(grid, expected=N, timeout=5)
+    for rnd in rounds:
+        replies = grid.send_and_receive(strategy.configure_train(rnd, arrays, ConfigRecord(), grid))
+        new, _ = strategy.aggregate_train(rnd, replies)
+        strategy._close_round(rnd, None)
+        arrays = new if new is not None else arrays
+    return arrays
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_fault_kind_is_a_counted_failure_and_the_model_is_kept(kind):
+    settings, grid, strategy = _setup({"name": "uniform", "bits": 4}, faults={kind: 1.0})
+    initial = initial_arrays(settings)
+    out = _rounds(strategy, grid, initial, [1])
+    record = strategy.rounds[0]
+    assert record["replied"] == 0 and record["failures"] == N
+    counted = "rejected_reply" if kind == "corrupt_payload" else kind
+    assert record["faults"] == {counted: N}
+    assert all(np.array_equal(out[k].numpy(), initial[k].numpy()) for k in initial.keys())
+
+
+def test_faults_are_reproducible_and_follow_the_rates():
+    rates = {"drop_reply": 0.1, "crash_client": 0.05, "corrupt_payload": 0.05, "nan_update": 0.1}
+    draws = [draw_fault(rates, 3, r, sid) for r in range(1, 201) for sid in range(50)]
+    assert draws == [draw_fault(rates, 3, r, sid) for r in range(1, 201) for sid in range(50)]
+    for kind, rate in rates.items():
+        freq = draws.count(kind) / len(draws)
+        assert abs(freq - rate) < 4 * np.sqrt(rate * (1 - rate) / len(draws))
+
+
+def test_training_carries_on_and_control_variates_stay_synchronized_under_faults():
+    codec = {"name": "residual", "inner": "uniform", "bits": 2, "block": 64}
+    faults = {"drop_reply": 0.15, "crash_client": 0.1, "corrupt_payload": 0.1, "nan_update": 0.1}
+    settings, grid, strategy = _setup(codec, faults=faults)
+    _rounds(strategy, grid, initial_arrays(settings), range(1, 9))
+    injected = sum(sum(r["faults"].values()) for r in strategy.rounds)
+    assert 0 < injected < 8 * N
+    assert sum(r["replied"] for r in strategy.rounds) + injected == 8 * N
+    assert _assert_mirrors_match(strategy, grid) >= N - 1
+
+
+def test_a_huge_claimed_weight_is_capped_at_a_multiple_of_the_median():
+    def claim_huge(pid, reply, instruction):
+        if pid == 2 and "metrics" in reply.content.metric_records:
+            content = RecordDict(dict(reply.content.items()))
+            metrics = MetricRecord(dict(reply.content["metrics"]))
+            metrics[KEY_NUM_EXAMPLES] = 1e9
+            content["metrics"] = metrics
+            return Message(content, reply_to=instruction)
+        return reply
+
+    spy = Spy()
+    settings, grid, strategy = _setup(
+        {"name": "fp32"}, weight_cap=3.0, inner_mods=[spy], tamper=claim_huge
+    )
+    initial = initial_arrays(settings)
+    out = _rounds(strategy, grid, initial, [1])
+    assert strategy.rounds[0]["capped"] == 1
+    weights = np.array([spy.weight[i] for i in range(N)], dtype=np.float64)
+    weights[2] = 3.0 * np.median([*np.delete(weights, 2), 1e9])  # the cap the wrapper used
+    for name in initial.keys():
+        locals64 = np.stack([spy.local[i][name].astype(np.float64) for i in range(N)])
+        expected = np.tensordot(weights / weights.sum(), locals64, axes=1)
+        got = out[name].numpy().astype(np.float64)
+        scale = np.abs(locals64).max(axis=0) + 1e-30
+        assert np.all(np.abs(got - expected) <= 1e-5 * scale), name
+
+
+def test_bad_fault_and_cap_settings_name_the_key():
+    with pytest.raises(ValueError, match=r"faults\.drop_reply"):
+        validate(settings_from_dict({"faults": {"drop_reply": 1.5}}))
+    with pytest.raises(ValueError, match="sum to at most 1"):
+        validate(settings_from_dict({"faults": {"drop_reply": 0.6, "nan_update": 0.6}}))
+    with pytest.raises(ValueError, match=r"aggregation\.weight_cap"):
+        validate(settings_from_dict({"aggregation": {"weight_cap": 0.5}}))
+
+
+def test_an_absurd_update_is_clipped_to_a_multiple_of_the_median_norm():
+    def blow_up(msg, ctxt, call_next):
+        reply = call_next(msg, ctxt)
+        if int(ctxt.node_config["partition-id"]) != 1 or reply.has_error():
+            return reply
+        start = next(iter(msg.content.array_records.values()))
+        arrays = reply.content["arrays"]
+        scaled = {
+            k: Array(
+                np.asarray(start[k].numpy())
+                + 1000 * (np.asarray(arrays[k].numpy()) - np.asarray(start[k].numpy()))
+            )
+            for k in arrays.keys()
+        }
+        content = RecordDict(dict(reply.content.items()))
+        content["arrays"] = ArrayRecord(scaled)
+        return Message(content, reply_to=msg)
+
+    spy = Spy()
+    settings, grid, strategy = _setup({"name": "fp32"}, inner_mods=[spy, blow_up])
+    strategy.norm_cap = 2.0
+    initial = initial_arrays(settings)
+    out = _rounds(strategy, grid, initial, [1])
+    assert strategy.rounds[0]["clipped"] == 1
+    start = {k: initial[k].numpy().astype(np.float64) for k in initial.keys()}
+    deltas = [{k: spy.local[i][k].astype(np.float64) - start[k] for k in start} for i in range(N)]
+    norms = [np.sqrt(sum(np.sum(v**2) for v in d.values())) for d in deltas]
+    cap = 2.0 * np.median(norms)
+    assert norms[1] > cap
+    deltas[1] = {k: v * cap / norms[1] for k, v in deltas[1].items()}
+    weights = np.array([spy.weight[i] for i in range(N)])
+    for name in start:
+        expected = (
+            start[name]
+            + sum(w * d[name] for w, d in zip(weights, deltas, strict=True)) / weights.sum()
+        )
+        got = out[name].numpy().astype(np.float64)
+        assert np.allclose(got, expected, rtol=1e-5, atol=1e-6), name

@@ -1,0 +1,308 @@
+"""The experiment presets on FEMNIST and CIFAR-10: every sweep composes and validates, each
+smoke size runs 2 rounds on the fixtures (in-process, and one real Hydra + Ray multirun),
+and the report's table and plots match the results files."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hydra import compose, initialize_config_dir
+
+from clients.client_app import make_client_app
+from experiments.inprocess import InProcessGrid
+from experiments.run import CONF_DIR, settings_from_cfg
+from experiments.runtime import PROJECT_ROOT
+from fedcomp.results import load_results
+from fedcomp.settings import Settings, settings_from_dict, validate
+from strategies.server_app import run_server
+
+PRESETS = sorted(p.stem for p in (Path(CONF_DIR) / "experiment").glob("*.yaml"))
+NEW_PRESETS = [p for p in PRESETS if "femnist" in p or "cifar10" in p]
+
+
+def _compose_runs(name: str, overrides: list[str], combos: list[tuple[str, ...]]) -> list[Settings]:
+    base = [f"+experiment={name}", *overrides]
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return [settings_from_cfg(compose("config", [*base, *combo])) for combo in combos]
+
+
+def sweep_axes(name: str) -> dict[str, list[str]]:
+    """The preset's sweep: the values of each swept key."""
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        hc = compose("config", [f"+experiment={name}"], return_hydra_config=True)
+    return {k: str(v).split(",") for k, v in hc.hydra.sweeper.params.items()}
+
+
+def preset_settings(name: str, *overrides: str) -> list[Settings]:
+    """Settings of every run of ``python -m experiments.run -m +experiment=<name>
+    <overrides>``: an override of a swept key replaces its values (``seed=0,1``)."""
+    axes = sweep_axes(name)
+    fixed = []
+    for override in overrides:
+        key, value = override.split("=", 1)
+        if key in axes:
+            axes[key] = value.split(",")
+        else:
+            fixed.append(override)
+    grid = [[f"{k}={v}" for v in values] for k, values in axes.items()]
+    return _compose_runs(name, fixed, list(itertools.product(*grid)))
+
+
+def each_value_once(name: str) -> list[Settings]:
+    """One run per swept value (the others at their first value): every group option
+    and value of the sweep composes, without composing the whole product."""
+    axes = [[f"{k}={v}" for v in values] for k, values in sweep_axes(name).items()]
+    firsts = [axis[0] for axis in axes]
+    combos = [
+        tuple(value if j == i else firsts[j] for j in range(len(axes)))
+        for i, axis in enumerate(axes)
+        for value in axis
+    ]
+    return _compose_runs(name, [], combos)
+
+
+def run_inprocess(settings: Settings) -> dict:
+    """The real ClientApp and ServerApp, one process, no Ray."""
+    ids = [10_000 + i for i in range(settings.num_clients)]
+    return run_server(
+        InProcessGrid(make_client_app(), settings.num_clients, node_ids=ids), settings
+    )
+
+
+def test_presets_name_the_experiments_and_validate() -> None:
+    assert {
+        "residual_femnist",
+        "residual_femnist_smoke",
+        "residual_cifar10",
+        "residual_cifar10_smoke",
+        "trees_femnist",
+        "trees_femnist_smoke",
+    } <= set(NEW_PRESETS)
+    expected_runs = {
+        "residual_femnist": 7 * 5,
+        "residual_cifar10": 7 * 5,
+        "trees_femnist": 4 * 2 * 4 * 3,
+        "residual_femnist_smoke": 3,
+        "residual_cifar10_smoke": 3,
+        "trees_femnist_smoke": 2 * 4,
+    }
+    swept: dict[str, list[Settings]] = {}
+    for name, count in expected_runs.items():
+        assert math.prod(len(axis) for axis in sweep_axes(name).values()) == count, name
+        swept[name] = each_value_once(name)
+        for s in swept[name]:
+            validate(s)
+            assert s.dataset.name == ("cifar10" if "cifar10" in name else "femnist")
+    residual = swept["residual_femnist"]
+    assert {s.codec["name"] for s in residual} == {"fp32", "uniform", "residual"}
+    assert {s.codec.get("bits") for s in residual} == {None, 8, 4, 2}
+    assert {s.num_clients for s in residual} == {16}
+    assert {s.partition.name for s in residual} == {"natural"}
+    assert {s.model.name for s in residual} == {"cnn"}
+    assert {s.model.hidden[2] for s in residual} == {2048}  # the LEAF CNN
+    assert {s.partition.name for s in swept["residual_cifar10"]} == {"dirichlet"}
+    trees = swept["trees_femnist"]
+    assert sorted({s.num_clients for s in trees}) == [8, 16, 32, 64]
+    assert {s.aggregation.tree for s in trees} == {"sequential", "balanced", "blocked", "adaptive"}
+    assert {s.aggregation.handoff for s in trees} == {"pre_aggregated"}
+    assert {s.aggregation.dtype for s in trees} == {"fp32", "bf16"}
+
+
+def _bits_payloads(results: dict) -> list[int]:
+    return [r["uplink_codec_bytes"] for r in results["rounds"]]
+
+
+def test_residual_cifar10_smoke_runs_two_rounds_at_identical_bytes(data_fixtures) -> None:
+    runs = preset_settings(
+        "residual_cifar10_smoke", f"dataset.path={data_fixtures['cifar_pickle']}", "num_rounds=2"
+    )
+    by_codec = {}
+    for s in runs:
+        results = run_inprocess(s)
+        assert len(results["rounds"]) == 2
+        for rnd in results["rounds"]:
+            assert (rnd["selected"], rnd["replied"], rnd["failures"]) == (16, 16, 0)
+        by_codec[s.codec["name"]] = results
+    # Direct and residual 2-bit send the same payload bytes; both 14x below fp32 here.
+    assert _bits_payloads(by_codec["uniform"]) == _bits_payloads(by_codec["residual"])
+    for name in ("uniform", "residual"):
+        assert by_codec[name]["summary"]["ratio_vs_fp32_codec"] > 10
+    assert by_codec["fp32"]["summary"]["ratio_vs_fp32_codec"] == 1.0
+    assert by_codec["residual"]["rounds"][1]["codec"]["residual_over_delta"] is not None
+
+
+def test_trees_femnist_smoke_runs_two_rounds_through_each_tree(data_fixtures) -> None:
+    runs = preset_settings(
+        "trees_femnist_smoke", f"dataset.path={data_fixtures['femnist']}", "num_rounds=2"
+    )
+    seen = set()
+    for s in runs:
+        results = run_inprocess(s)
+        for rnd in results["rounds"]:
+            assert (rnd["replied"], rnd["failures"]) == (s.num_clients, 0)
+            tree = rnd["codec"]["tree"]
+            assert tree["overflow_chunks"] == 0
+            assert math.isfinite(tree["mse_vs_fp64"]) and tree["mse_vs_fp64"] > 0  # bf16
+            if s.aggregation.tree != "adaptive":
+                assert set(tree["chosen"]) == {s.aggregation.tree}
+        seen.add((s.num_clients, s.aggregation.tree))
+    assert len(seen) == 8
+
+
+def _cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def test_report_of_the_femnist_smoke_sweep_matches_its_results(data_fixtures, tmp_path) -> None:
+    """residual_femnist_smoke over 2 seeds (8 writers to keep it quick), run in-process
+    into a multirun layout; then the report: the PNGs exist and every number in its
+    table is the value computed here from the results files."""
+    sweep = tmp_path / "sweep"
+    runs = preset_settings(
+        "residual_femnist_smoke",
+        f"dataset.path={data_fixtures['femnist']}",
+        "num_rounds=2",
+        "num_clients=8",
+        "seed=0,1",
+    )
+    assert len(runs) == 6
+    for i, s in enumerate(runs):
+        s.results_path = str(sweep / str(i) / "results.json")
+        run_inprocess(s)
+    out_dir = tmp_path / "report"
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "experiments.report",
+            "--paired",
+            str(sweep),
+            "--out-dir",
+            str(out_dir),
+        ],
+        cwd=PROJECT_ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    for png in ("accuracy_vs_uplink_codec_bytes.png", "accuracy_vs_uplink_wire_bytes.png"):
+        data = (out_dir / png).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    assert (out_dir / "report.md").read_text().startswith("# Summary over seeds")
+
+    results = [load_results(p) for p in sorted(sweep.rglob("results.json"))]
+    by_codec: dict[str, list[dict]] = {}
+    for r in results:
+        by_codec.setdefault(r["config"]["codec"]["name"], []).append(r)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("|")]
+    header = _cells(lines[0])
+    assert header[:2] == ["codec.name", "codec.bits"]
+    rows = {_cells(ln)[0]: _cells(ln) for ln in lines[2:] if not ln.startswith("| bits")}
+    target = float(np.mean([r["summary"]["final_accuracy"] for r in by_codec["fp32"]])) - 0.01
+    for name, members in by_codec.items():
+        row = dict(zip(header, rows[name], strict=True))
+        finals = [m["summary"]["final_accuracy"] for m in members]
+        half = 12.706 * np.std(finals, ddof=1) / np.sqrt(2)  # t(0.975, 1 dof)
+        codec = [np.cumsum([x["uplink_codec_bytes"] for x in m["rounds"]]) for m in members]
+        wire = [np.cumsum([x["uplink_wire_bytes"] for x in m["rounds"]]) for m in members]
+        first = [
+            next((i for i, x in enumerate(m["rounds"]) if x["accuracy"] >= target), None)
+            for m in members
+        ]
+        hit = [i for i, f in enumerate(first) if f is not None]
+
+        def to_target(cum: list[np.ndarray], first=first, hit=hit) -> str:
+            return f"{np.median([cum[i][first[i]] for i in hit]) / 1e6:.2f}" if hit else "n/a"
+
+        def mean(key: str, members=members) -> float:
+            return float(np.mean([m["summary"][key] for m in members]))
+
+        assert row["seeds"] == "2"
+        assert row["final accuracy (95% CI)"] == f"{np.mean(finals):.4f} +- {half:.4f}"
+        assert row["min..max"] == f"{min(finals):.4f}..{max(finals):.4f}"
+        assert row["uplink codec MB"] == f"{np.mean([c[-1] for c in codec]) / 1e6:.2f}"
+        assert row["uplink wire MB"] == f"{mean('uplink_wire_bytes_total') / 1e6:.2f}"
+        reached = f"{to_target(codec)} ({len(hit)}/2)" if hit else "n/a (0/2)"
+        assert row["codec MB to FedAvg - 0.01 (seeds reaching)"] == reached
+        assert row["wire MB to FedAvg - 0.01"] == to_target(wire)
+        assert row["ratio vs fp32 codec"] == f"{mean('ratio_vs_fp32_codec'):.2f}x"
+        assert row["ratio vs fp32 wire"] == f"{mean('ratio_vs_fp32_wire'):.2f}x"
+        assert row["wall s"] == f"{mean('wall_s'):.1f}"
+    diffs = [
+        r["summary"]["final_accuracy"] - u["summary"]["final_accuracy"]
+        for r, u in zip(
+            sorted(by_codec["residual"], key=lambda x: x["config"]["seed"]),
+            sorted(by_codec["uniform"], key=lambda x: x["config"]["seed"]),
+            strict=True,
+        )
+    ]
+    half = 12.706 * np.std(diffs, ddof=1) / np.sqrt(2)
+    assert f"| 2 | 2 | {np.mean(diffs):+.4f} +- {half:.4f} |" in out.stdout  # paired by seed
+
+
+@pytest.mark.simulation
+def test_femnist_smoke_preset_under_hydra_and_ray(data_fixtures, tmp_path: Path) -> None:
+    """The preset as a user runs it (Hydra multirun, Ray simulation, 16 writers), one
+    codec: the same per-round numbers as the in-process run of the same settings."""
+    sweep = tmp_path / "sweep"
+    cmd = [
+        sys.executable,
+        "-m",
+        "experiments.run",
+        "-m",
+        "+experiment=residual_femnist_smoke",
+        f"dataset.path={data_fixtures['femnist']}",
+        "num_rounds=2",
+        "codec=residual2",
+        f"hydra.sweep.dir={sweep}",
+    ]
+    subprocess.run(cmd, cwd=PROJECT_ROOT, check=True, capture_output=True, timeout=900)
+    (ray,) = [load_results(p) for p in sweep.rglob("results.json")]
+    (settings,) = preset_settings(
+        "residual_femnist_smoke",
+        f"dataset.path={data_fixtures['femnist']}",
+        "num_rounds=2",
+        "codec=residual2",
+    )
+    local = run_inprocess(settings)
+    keys = ("accuracy", "loss", "uplink_codec_bytes", "replied", "failures")
+    for a, b in zip(ray["rounds"], local["rounds"], strict=True):
+        assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
+        assert a["replied"] == 16
+    assert ray["summary"]["ratio_vs_fp32_codec"] > 10
+
+
+@pytest.mark.slow
+def test_cifar_resnet18_round_keeps_batchnorm_counters_exact(data_fixtures) -> None:
+    """Two rounds of ResNet-18 (11.2M parameters) with 8-bit payloads: the int64
+    num_batches_tracked buffers travel raw and average to the exact count."""
+    s = settings_from_dict(
+        {
+            "num_clients": 2,
+            "num_rounds": 2,
+            "dataset": {"name": "cifar10", "path": str(data_fixtures["cifar_pickle"])},
+            "partition": {"name": "iid"},
+            "model": {"name": "resnet18", "hidden": []},
+            "codec": {"name": "uniform", "bits": 8, "block": 256},
+            "train": {"local_epochs": 1, "batch_size": 16},
+        }
+    )
+    grid = InProcessGrid(make_client_app(), 2, node_ids=[1, 2])
+    results = run_server(grid, s)
+    assert all((r["replied"], r["failures"]) == (2, 0) for r in results["rounds"])
+    per_tensor = results["rounds"][0]["codec"]["per_tensor"]
+    assert per_tensor["layer4.1.bn2.num_batches_tracked"] == "raw"
+    assert per_tensor["layer4.1.bn2.running_var"] == "uniform"  # 512 values: compressed
+    # Each client holds 100 rows, 80 for training: 5 batches of 16 in round 1, so the
+    # weighted mean of the counters in the model sent for round 2 is exactly 5. (In the
+    # per-client hand-off Flower's FedAvg returns it as float64; clients load it back
+    # into their int64 buffer.)
+    round2 = [m for m in grid.sent if m.metadata.group_id == "2" and m.content.array_records]
+    arrays = next(iter(round2[0].content.array_records.values())).to_torch_state_dict()
+    assert float(arrays["bn1.num_batches_tracked"]) == 5.0
