@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.fedcomp-installed
 export FLWR_TELEMETRY_ENABLED := 0
 export FLWR_HOME := $(CURDIR)/.flwr
 
-.PHONY: run test test-slow lint bench fuzz clean
+.PHONY: run test test-slow deploy-test lint bench bench-dme fuzz clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,10 +31,19 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow -q
 
+## deploy-test: every test that starts real SuperLink/SuperNode processes on loopback,
+## TLS + SuperNode authentication included (the non-slow ones also run in `make test`)
+deploy-test: $(STAMP)
+	$(PY) -m pytest -m deployment -q
+
 ## bench: codec, server and reduction-tree benchmarks; summaries in experiments/results/
 bench: $(STAMP)
 	$(PY) -m experiments.bench_codecs --out experiments/results/bench_codecs.md
 	$(PY) -m experiments.bench_aggregation --out experiments/results/bench_aggregation.md
+
+## bench-dme: the one-bit code vs the baselines at equal bits (distributed mean estimation)
+bench-dme: $(STAMP)
+	$(PY) -m experiments.bench_dme --out experiments/results/bench_dme.md
 
 ## fuzz: 10^4 fuzz cases per decoder property (a sample runs in `make test`)
 fuzz: $(STAMP)

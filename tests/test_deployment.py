@@ -1,0 +1,618 @@
+"""Flower's Deployment Engine: settings, node specs, the staged app, and real deployments.
+
+The real ones start a SuperLink and SuperNodes on loopback (a round costs 12-19 s
+there: a new process per message, 3 s idle polls), so they are few: one whole job
+through ``python -m experiments.deploy`` compared with the in-process path, and the
+faults (a pinned port in use, a SuperLink that never answers or exits, a SuperNode
+killed mid-run, a run timeout, Ctrl-C), each checked for a clear error naming the
+component and for processes left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import tomllib
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from experiments.deploy import CONF_DIR, deploy_schema, split_cfg
+from experiments.inprocess import InProcessGrid
+from experiments.launcher import (
+    DeploymentError,
+    Launch,
+    child_env,
+    free_port,
+    launch,
+    remove_connection,
+    stage_app,
+    superlink_argv,
+    supernode_argv,
+    tail,
+    write_connection,
+)
+from experiments.run import settings_from_cfg
+from experiments.runtime import PROJECT_ROOT
+from fedcomp.deployment import (
+    AuthSettings,
+    DeploymentSettings,
+    SuperLinkSettings,
+    SuperNodeSettings,
+    TlsSettings,
+    gpu_ids,
+    node_config_arg,
+    node_specs,
+    validate_deployment,
+)
+from fedcomp.results import load_results
+from fedcomp.settings import Settings, settings_from_dict, settings_from_run_config
+
+FLOWER_NAMES = ("flower-superlink", "flower-supernode", "flower-superexec", "flwr-")
+
+#: A small job: 2 clients, 1 local epoch, top-k (its payload sizes depend on the
+#: trained values, so equal bytes mean equal updates), no client-side evaluation
+#: (each evaluate message would cost another ClientApp process per node).
+JOB = {
+    "num_clients": 2,
+    "num_rounds": 2,
+    "codec": {"name": "topk", "fraction": 0.01},
+    "train": {"local_epochs": 1},
+    "fraction_evaluate": 0.0,
+}
+JOB_OVERRIDES = [
+    "num_clients=2",
+    "num_rounds=2",
+    "codec=topk",
+    "train.local_epochs=1",
+    "fraction_evaluate=0.0",
+]
+
+
+# ---------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------
+
+
+def _cmdlines() -> dict[int, str]:
+    """pid -> command line of every live, non-zombie process."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            if stat[stat.rindex(")") + 2] == "Z":
+                continue
+            raw = (entry / "cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        out[int(entry.name)] = raw.replace(b"\0", b" ").decode(errors="replace")
+    return out
+
+
+def flower_processes(ports: set[int]) -> dict[int, str]:
+    """Live Flower processes that mention one of ``ports`` (ours, not another run's)."""
+    pattern = re.compile(r"[: ](" + "|".join(str(p) for p in ports) + r")\b")
+    return {
+        pid: cmd
+        for pid, cmd in _cmdlines().items()
+        if any(name in cmd for name in FLOWER_NAMES) and pattern.search(cmd)
+    }
+
+
+def wait_gone(ports: set[int], timeout: float = 15.0) -> dict[int, str]:
+    deadline = time.monotonic() + timeout
+    left = flower_processes(ports)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = flower_processes(ports)
+    return left
+
+
+def assert_all_stopped(state: Launch) -> None:
+    """Every component exited, nothing of theirs is alive, and nothing survived."""
+    assert state.components, "the launch started nothing"
+    for comp in state.components:
+        assert comp.proc.returncode is not None, f"{comp.name} still running"
+    assert state.survivors == []
+    # The launcher waits for every process it signals, so this holds at once.
+    assert flower_processes({c.port for c in state.components}) == {}
+
+
+# ---------------------------------------------------------------------------------
+# settings, node specs, commands (no processes)
+# ---------------------------------------------------------------------------------
+
+
+def _compose_deploy(*overrides: str):
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"), deploy_schema():
+        return split_cfg(compose(config_name="deploy", overrides=list(overrides)))
+
+
+def test_deployment_configs_compose_with_the_experiment_settings() -> None:
+    run_cfg, local = _compose_deploy(*JOB_OVERRIDES)
+    assert settings_from_cfg(run_cfg) == replace(settings_from_dict(JOB), results_path="")
+    assert local == DeploymentSettings()  # local.yaml states the schema's defaults
+    _, gpu = _compose_deploy("deployment=multi_gpu")
+    assert (gpu.name, gpu.supernodes.gpus, gpu.superlink.host) == ("multi_gpu", -1, "127.0.0.1")
+    _, edge = _compose_deploy("deployment=edge", "deployment.superlink.address=fl.example:9093")
+    assert edge.tls.enabled and edge.auth.enabled and edge.supernodes.count == 0
+    assert (edge.superlink.host, edge.superlink.port) == ("0.0.0.0", 9093)
+    assert edge.superlink.address == "fl.example:9093"
+    # The simulation entry point's schema is untouched afterwards.
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        assert "deployment" not in compose(config_name="config")
+
+
+@pytest.mark.parametrize(
+    ("deployment", "key"),
+    [
+        (DeploymentSettings(superlink=SuperLinkSettings(port=70000)), "superlink.port"),
+        (DeploymentSettings(supernodes=SuperNodeSettings(count=3)), "supernodes.count"),
+        (DeploymentSettings(supernodes=SuperNodeSettings(ports=[9100])), "supernodes.ports"),
+        (
+            DeploymentSettings(
+                superlink=SuperLinkSettings(port=9100),
+                supernodes=SuperNodeSettings(ports=[9100, 9101]),
+            ),
+            "supernodes.ports",
+        ),
+        (
+            DeploymentSettings(supernodes=SuperNodeSettings(node_config={"partition-id": 5})),
+            "supernodes.node_config",
+        ),
+        (DeploymentSettings(superlink=SuperLinkSettings(host="0.0.0.0")), "superlink.host"),
+        (DeploymentSettings(auth=AuthSettings(enabled=True)), "auth.enabled"),
+        (
+            DeploymentSettings(tls=TlsSettings(enabled=True, ca_certfile="/nonexistent/ca.crt")),
+            "tls.",
+        ),
+        (DeploymentSettings(run_timeout=0), "run_timeout"),
+    ],
+)
+def test_bad_deployment_settings_name_the_key(deployment: DeploymentSettings, key: str) -> None:
+    with pytest.raises(ValueError, match=rf"deployment\.{re.escape(key)}"):
+        validate_deployment(deployment, num_clients=2)
+
+
+def test_node_specs_give_each_node_its_partition_and_one_gpu() -> None:
+    local = node_specs(DeploymentSettings(), 3, available_gpus=[])
+    assert [s.node_config for s in local] == [
+        {"partition-id": i, "num-partitions": 3} for i in range(3)
+    ]
+    assert all(s.env == {} and s.port == 0 for s in local)
+
+    # multi_gpu on a (mocked) 4-GPU host: 8 clients, two SuperNodes per GPU.
+    gpu = DeploymentSettings(supernodes=SuperNodeSettings(gpus=-1))
+    specs = node_specs(gpu, 8, available_gpus=["0", "1", "2", "3"])
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["0", "1", "2", "3"] * 2
+    assert [s.partition_id for s in specs] == list(range(8))
+    # One per GPU on a host whose launcher only sees GPUs 4-7.
+    visible = gpu_ids("4,5,6,7", device_count=4)
+    specs = node_specs(gpu, 4, available_gpus=visible)
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["4", "5", "6", "7"]
+    two = DeploymentSettings(supernodes=SuperNodeSettings(gpus=2))
+    assert {s.env["CUDA_VISIBLE_DEVICES"] for s in node_specs(two, 4, ["0", "1", "2"])} == {
+        "0",
+        "1",
+    }
+    assert gpu_ids(None, 3) == ["0", "1", "2"] and gpu_ids("", 0) == []
+    with pytest.raises(ValueError, match=r"deployment\.supernodes\.gpus=-1.*0 GPU"):
+        node_specs(gpu, 2, available_gpus=[])
+    with pytest.raises(ValueError, match=r"deployment\.supernodes\.gpus=4.*2 GPU"):
+        node_specs(replace(gpu, supernodes=SuperNodeSettings(gpus=4)), 4, ["0", "1"])
+    # Edge: no local nodes; the devices connect themselves.
+    assert node_specs(DeploymentSettings(supernodes=SuperNodeSettings(count=0)), 5, []) == []
+
+
+def test_node_config_argument_is_flowers_key_value_syntax() -> None:
+    arg = node_config_arg({"partition-id": 0, "num-partitions": 2, "site": 'a "b"', "x": 0.5})
+    assert arg == 'partition-id=0 num-partitions=2 site="a \\"b\\"" x=0.5'
+    with pytest.raises(ValueError, match="node_config"):
+        node_config_arg({"bad": [1]})
+
+
+def test_every_flag_the_launcher_passes_exists_in_flower(tmp_path: Path) -> None:
+    """TLS and node-authentication flags included: checked against the real binaries."""
+    for name in ("ca.crt", "server.pem", "server.key", "node.key", "node.key.pub"):
+        (tmp_path / name).write_text("x")
+    d = DeploymentSettings(
+        tls=TlsSettings(True, *(str(tmp_path / n) for n in ("ca.crt", "server.pem", "server.key"))),
+        auth=AuthSettings(enabled=True, private_keys=[str(tmp_path / "node.key")]),
+    )
+    validate_deployment(d, num_clients=1)
+    spec = node_specs(d, 1, [])[0]
+    for argv in (superlink_argv(d, 9093), supernode_argv(d, spec, "127.0.0.1:9093", 9094)):
+        flags = {a for a in argv if a.startswith("--")}
+        assert {"--ssl-certfile", "--root-certificates", "--enable-supernode-auth"} & flags
+        out = subprocess.run(
+            [argv[0], "--help"], capture_output=True, text=True, env=child_env(), timeout=60
+        )
+        assert out.returncode == 0
+        documented = set(re.findall(r"--[a-z][a-z-]+", out.stdout))
+        assert flags <= documented, flags - documented
+
+
+def test_staged_app_carries_this_runs_settings_as_its_run_config(tmp_path: Path) -> None:
+    """The SuperLink only accepts overrides of declared keys; codec.fraction is not one."""
+    settings = settings_from_dict({**JOB, "results_path": str(tmp_path / "results.json")})
+    app = stage_app(settings, tmp_path / "app")
+    staged = tomllib.loads((app / "pyproject.toml").read_text())
+    config = staged["tool"]["flwr"]["app"]["config"]
+    assert config["codec.fraction"] == 0.01
+    assert settings_from_run_config(config) == settings
+    # Everything else in the project file is unchanged, and the FAB's files are there.
+    original = tomllib.loads((PROJECT_ROOT / "pyproject.toml").read_text())
+    staged["tool"]["flwr"]["app"].pop("config")
+    original["tool"]["flwr"]["app"].pop("config")
+    assert staged == original
+    for module in ("strategies/server_app.py", "clients/client_app.py", "fedcomp/settings.py"):
+        assert (app / module).read_bytes() == (PROJECT_ROOT / module).read_bytes()
+    assert not list(app.rglob("*.pyc")) and not list(app.rglob("*.yaml"))
+
+
+def test_connections_are_added_and_removed_leaving_others(tmp_path: Path) -> None:
+    (tmp_path / "config.toml").write_text(
+        '[superlink]\ndefault = "mine"\n[superlink.mine]\naddress = "h:1"\ninsecure = true\n'
+    )
+    write_connection(tmp_path, "fedcomp-local-5", {"address": "127.0.0.1:5", "insecure": True})
+    data = tomllib.loads((tmp_path / "config.toml").read_text())
+    assert data["superlink"]["fedcomp-local-5"] == {"address": "127.0.0.1:5", "insecure": True}
+    remove_connection(tmp_path, "fedcomp-local-5")
+    data = tomllib.loads((tmp_path / "config.toml").read_text())
+    assert data == {"superlink": {"default": "mine", "mine": {"address": "h:1", "insecure": True}}}
+
+
+# ---------------------------------------------------------------------------------
+# faults, with real processes
+# ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def job() -> Settings:
+    return settings_from_dict(JOB)
+
+
+def test_pinned_port_in_use_fails_before_any_process_starts(job, tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        state = Launch(tmp_path)
+        d = DeploymentSettings(superlink=SuperLinkSettings(port=port))
+        with pytest.raises(DeploymentError, match=rf"SuperLink: port {port} on 127.0.0.1 is "):
+            launch(job, d, tmp_path, state=state)
+        assert state.components == []
+        nodes = DeploymentSettings(supernodes=SuperNodeSettings(ports=[port, 0]))
+        with pytest.raises(ValueError, match=r"deployment\.supernodes\.ports\[1\]=0"):
+            launch(job, nodes, tmp_path)
+        free = free_port("127.0.0.1")
+        d = DeploymentSettings(supernodes=SuperNodeSettings(ports=[free, port]))
+        with pytest.raises(DeploymentError, match=rf"SuperNode 1 \(partition-id=1\): port {port}"):
+            launch(job, d, tmp_path)
+
+
+@pytest.mark.deployment
+def test_superlink_that_never_answers_is_stopped(job, tmp_path: Path) -> None:
+    state = Launch(tmp_path)
+    d = DeploymentSettings(superlink=SuperLinkSettings(ready_timeout=0.05))
+    with pytest.raises(DeploymentError, match=r"^SuperLink: did not answer at http://127"):
+        launch(job, d, tmp_path, state=state)
+    assert [c.name for c in state.components] == ["SuperLink"]
+    assert_all_stopped(state)
+
+
+@pytest.mark.deployment
+def test_superlink_that_exits_at_start_is_reported_with_its_log(job, tmp_path: Path) -> None:
+    state = Launch(tmp_path)
+    d = DeploymentSettings(superlink=SuperLinkSettings(extra_args=["--no-such-flag"]))
+    with pytest.raises(DeploymentError, match=r"(?s)^SuperLink: exited with code 2.*no-such-flag"):
+        launch(job, d, tmp_path, state=state)
+    assert_all_stopped(state)
+
+
+def _when_running(state: Launch, action, timeout: float = 120.0) -> threading.Thread:
+    """Run ``action`` in a thread once the launch has a run id."""
+
+    def watch() -> None:
+        deadline = time.monotonic() + timeout
+        while state.run_id is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        action()
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.deployment
+def test_supernode_killed_mid_run_names_it_and_stops_everything(job, tmp_path: Path) -> None:
+    state = Launch(tmp_path)
+
+    def kill_node_1() -> None:
+        os.kill(state.components[2].proc.pid, signal.SIGKILL)
+
+    thread = _when_running(state, kill_node_1)
+    with pytest.raises(
+        DeploymentError, match=r"^SuperNode 1 \(partition-id=1\): exited with code -9"
+    ):
+        launch(job, DeploymentSettings(), tmp_path, state=state)
+    thread.join()
+    assert state.run_id is not None and state.status == ""
+    assert_all_stopped(state)
+
+
+@pytest.mark.deployment
+def test_serverapp_failure_is_reported_with_its_log(tmp_path: Path) -> None:
+    """No SuperNode connects (none started here, as with edge devices that stay away):
+    the ServerApp gives up after simulation.round_timeout and the run fails."""
+    settings = settings_from_dict({**JOB, "simulation": {"round_timeout": 1.0}})
+    state = Launch(tmp_path)
+    d = DeploymentSettings(supernodes=SuperNodeSettings(count=0))
+    with pytest.raises(
+        DeploymentError, match=r"(?s)^run \d+: ended finished:failed.*only 0 of 2 nodes connected"
+    ):
+        launch(settings, d, tmp_path, state=state)
+    assert [c.name for c in state.components] == ["SuperLink"]
+    assert_all_stopped(state)
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+
+
+@pytest.mark.deployment
+def test_run_timeout_names_the_run_and_stops_everything(job, tmp_path: Path) -> None:
+    """Also multi_gpu's boundary: with a (mocked) 2-GPU host, each SuperNode process
+    really runs with its own CUDA_VISIBLE_DEVICES (torch then finds no GPU behind it
+    here, and the example ClientApp trains on the CPU)."""
+    state = Launch(tmp_path)
+    seen: dict[str, str] = {}
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+
+    def read_node_env() -> None:
+        for comp in state.components[1:]:
+            seen[comp.name] = _environ(comp.proc.pid).get("CUDA_VISIBLE_DEVICES", "unset")
+
+    thread = _when_running(state, read_node_env)
+    d = DeploymentSettings(run_timeout=1.0, supernodes=SuperNodeSettings(gpus=-1))
+    with pytest.raises(DeploymentError, match=r"^run \d+: not finished after 1 s"):
+        launch(job, d, tmp_path, state=state, available_gpus=lambda: ["0", "1"])
+    thread.join()
+    assert_all_stopped(state)
+    assert seen == {
+        "SuperNode 0 (partition-id=0, GPU 0)": "0",
+        "SuperNode 1 (partition-id=1, GPU 1)": "1",
+    }
+    assert os.environ.get("CUDA_VISIBLE_DEVICES") == before  # only the children's
+
+
+# ---------------------------------------------------------------------------------
+# the command line: a whole job, and Ctrl-C
+# ---------------------------------------------------------------------------------
+
+
+def _deploy_cmd(run_dir: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "experiments.deploy", *overrides, f"hydra.run.dir={run_dir}"]
+
+
+def _started(output: str) -> dict[int, int]:
+    """pid -> port of every component the launcher logged as started."""
+    return {int(p): int(q) for p, q in re.findall(r"started .*? \(pid (\d+), port (\d+)", output)}
+
+
+@pytest.mark.deployment
+def test_loopback_job_matches_the_in_process_path_byte_for_byte(tmp_path: Path) -> None:
+    """2 SuperNodes, 2 rounds, top-k: the real deployment computes the same updates.
+
+    Codec and record bytes are equal to the byte, and so are the centralized
+    accuracies. Wire bytes differ a little: they are the deflated messages, whose
+    metadata holds Flower's ids. In deployment those are the 64-bit run id and node ids
+    and, on every reply, the 64-character id of the instruction it answers; the
+    in-process grid uses run id 1, shorter node ids and empty message ids (measured:
+    +90 B per reply, +23 B per instruction).
+    """
+    run_dir = tmp_path / "run"
+    t0 = time.monotonic()
+    out = subprocess.run(
+        _deploy_cmd(run_dir, *JOB_OVERRIDES),
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    elapsed = time.monotonic() - t0
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log[-3000:]
+    started = _started(log)
+    assert len(started) == 3, log  # a SuperLink and 2 SuperNodes
+    assert wait_gone(set(started.values()), timeout=1.0) == {}
+    assert all(not Path(f"/proc/{pid}").exists() or _zombie(pid) for pid in started)
+    connection = re.search(r"connection '(fedcomp-local-\d+)'", log).group(1)
+    flwr_config = Path(os.environ["FLWR_HOME"]) / "config.toml"
+    assert connection not in tomllib.loads(flwr_config.read_text()).get("superlink", {})
+    assert {p.name for p in (run_dir / "deploy").iterdir()} >= {
+        "superlink.log",
+        "supernode-0.log",
+        "supernode-1.log",
+        "run.log",
+        "app",
+    }
+
+    deployed = load_results(run_dir / "results.json")  # validates the schema
+    settings = settings_from_dict({**deployed["config"], "results_path": ""})
+    assert settings == settings_from_dict(JOB)
+    from clients.client_app import make_client_app
+    from strategies.server_app import run_server
+
+    local = run_server(InProcessGrid(make_client_app(), 2), settings)
+    assert len(deployed["rounds"]) == len(local["rounds"]) == 2
+    for dep, ref in zip(deployed["rounds"], local["rounds"], strict=True):
+        assert (dep["selected"], dep["replied"], dep["failures"]) == (2, 2, 0)
+        assert dep["accuracy"] == ref["accuracy"]
+        assert dep["loss"] == pytest.approx(ref["loss"], rel=1e-9)
+        for key in ("uplink_codec_bytes", "uplink_record_bytes", "downlink_record_bytes"):
+            assert dep[key] == ref[key], key
+        rows = zip(dep["per_client"], ref["per_client"], strict=True)
+        for d_row, r_row in rows:
+            assert d_row["client"] == r_row["client"]
+            assert d_row["uplink_codec_bytes"] == r_row["uplink_codec_bytes"]
+            assert 0 < d_row["uplink_wire_bytes"] - r_row["uplink_wire_bytes"] < 160
+            assert 0 < d_row["downlink_wire_bytes"] - r_row["downlink_wire_bytes"] < 80
+    print(f"\nloopback deployment, 2 SuperNodes x 2 rounds: {elapsed:.1f} s end to end")
+
+
+def _zombie(pid: int) -> bool:
+    with contextlib.suppress(OSError):
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat[stat.rindex(")") + 2] == "Z"
+    return True
+
+
+@pytest.mark.deployment
+def test_ctrl_c_stops_every_process_and_exits_130(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        _deploy_cmd(tmp_path / "run", *JOB_OVERRIDES),
+        cwd=PROJECT_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if re.search(r"run \d+ started", line):
+                proc.send_signal(signal.SIGINT)
+                break
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log = "".join(lines) + rest
+    assert proc.returncode == 130, log[-3000:]
+    assert "interrupted" in log
+    started = _started(log)
+    assert len(started) == 3
+    assert wait_gone(set(started.values()), timeout=1.0) == {}
+
+
+@pytest.mark.deployment
+def test_port_in_use_on_the_command_line_exits_1_naming_the_component(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = subprocess.run(
+            _deploy_cmd(tmp_path / "run", *JOB_OVERRIDES, f"deployment.superlink.port={port}"),
+            cwd=PROJECT_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    assert out.returncode == 1
+    assert f"SuperLink: port {port} on 127.0.0.1 is already in use" in out.stdout + out.stderr
+
+
+def _tls_files(tmp: Path) -> dict[str, str]:
+    """A CA, a SuperLink certificate for 127.0.0.1 signed by it, and a SuperNode key
+    pair (EC P-384, OpenSSH format, as ``ssh-keygen -t ecdsa -b 384`` writes)."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+
+    def cert(subject: str, key, issuer: str, signer, *, ca: bool) -> x509.Certificate:
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+            .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )
+        if not ca:
+            import ipaddress
+
+            san = [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
+            builder = builder.add_extension(x509.SubjectAlternativeName(san), critical=False)
+        return builder.sign(signer, hashes.SHA256())
+
+    pem = serialization.Encoding.PEM
+    ca_key, server_key = (
+        ec.generate_private_key(ec.SECP384R1()),
+        ec.generate_private_key(ec.SECP384R1()),
+    )
+    files = {
+        "ca.crt": cert("test CA", ca_key, "test CA", ca_key, ca=True).public_bytes(pem),
+        "server.pem": cert("127.0.0.1", server_key, "test CA", ca_key, ca=False).public_bytes(pem),
+        "server.key": server_key.private_bytes(
+            pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        ),
+    }
+    node_key = ec.generate_private_key(ec.SECP384R1())
+    files["node0.key"] = node_key.private_bytes(
+        pem, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
+    )
+    files["node0.key.pub"] = node_key.public_key().public_bytes(
+        serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
+    )
+    for name, data in files.items():
+        (tmp / name).write_bytes(data)
+    return {name: str(tmp / name) for name in files}
+
+
+@pytest.mark.deployment
+@pytest.mark.slow
+def test_tls_and_supernode_authentication_on_loopback(tmp_path: Path) -> None:
+    """The edge configuration's security, end to end: the SuperLink serves HTTPS only,
+    the SuperNode verifies it with the CA and authenticates with its registered key;
+    a SuperNode with an unregistered key is refused."""
+    files = _tls_files(tmp_path)
+    (tmp_path / "other").mkdir()
+    settings = settings_from_dict({**JOB, "num_clients": 1, "num_rounds": 1})
+    d = DeploymentSettings(
+        name="edge",
+        tls=TlsSettings(True, files["ca.crt"], files["server.pem"], files["server.key"]),
+        auth=AuthSettings(enabled=True, private_keys=[files["node0.key"]]),
+        run_timeout=300.0,
+    )
+    state = Launch(tmp_path)
+    results = launch(settings, d, tmp_path, state=state)
+    assert results["rounds"][0]["replied"] == 1
+    assert_all_stopped(state)
+    cli_log = (tmp_path / "deploy" / "flwr-cli.log").read_text()
+    assert "supernode register" in cli_log and '"node-id"' in cli_log
+    link_log = tail(tmp_path / "deploy" / "superlink.log", 400)
+    assert "running on https://127.0.0.1" in link_log
+    assert "SuperNode authentication is disabled" not in link_log
+
+    # A node whose registered key is another one's is refused (Flower's code 305).
+    stranger = _tls_files(tmp_path / "other")
+    Path(files["node0.key.pub"]).write_bytes(Path(stranger["node0.key.pub"]).read_bytes())
+    state = Launch(tmp_path)
+    with pytest.raises(
+        DeploymentError,
+        match=r"(?s)^SuperNode 0 \(partition-id=0\): exited.*Exit Code: 305.*activate SuperNode",
+    ):
+        launch(settings, d, tmp_path / "refused", state=state)
+    assert_all_stopped(state)
