@@ -306,3 +306,31 @@ def test_cifar_resnet18_round_keeps_batchnorm_counters_exact(data_fixtures) -> N
     round2 = [m for m in grid.sent if m.metadata.group_id == "2" and m.content.array_records]
     arrays = next(iter(round2[0].content.array_records.values())).to_torch_state_dict()
     assert float(arrays["bn1.num_batches_tracked"]) == 5.0
+
+
+def test_onebit_cifar10_smoke_runs_two_rounds_with_the_exact_mean_measured(
+    data_fixtures, tmp_path
+) -> None:
+    """Preset (2): heavy-tailed updates, equal ~1 bit per coordinate; every round records
+    the aggregate's error against the clients' exact mean (fp32: rounding only)."""
+    full = preset_settings("onebit_cifar10", "diagnostics_dir=")
+    assert len(full) == 5 * 2 * 3
+    assert {s.codec["name"] for s in full} == {"fp32", "dither", "sign", "qsgd", "onebit"}
+    runs = preset_settings(
+        "onebit_cifar10_smoke",
+        f"dataset.path={data_fixtures['cifar_pickle']}",
+        "num_rounds=2",
+        "diagnostics_dir=",
+    )
+    for i, s in enumerate(runs):
+        s.diagnostics_dir = str(tmp_path / f"diag{i}")
+        results = run_inprocess(s)
+        for rnd in results["rounds"]:
+            assert (rnd["replied"], rnd["failures"]) == (8, 0)
+            diag = rnd["diagnostics"]
+            if s.codec["name"] == "fp32":
+                assert diag["update_rel_mse"] < 1e-10
+            else:
+                assert 0 < diag["update_mse"] and math.isfinite(diag["update_mse"])
+        if s.codec["name"] == "onebit":
+            assert results["rounds"][0]["codec"]["joint"]["joint_replied"] == 8
