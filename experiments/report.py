@@ -28,7 +28,8 @@ from fedcomp.results import load_results
 from fedcomp.settings import flatten
 
 #: Settings that differ per run without being part of the sweep.
-_IGNORED = {"results_path"}
+#: Per-run paths and switches that never define a method or setting.
+_IGNORED = {"results_path", "diagnostics_dir", "resume", "progress"}
 
 
 def find_results(root: Path) -> list[Path]:
