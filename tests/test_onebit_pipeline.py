@@ -206,7 +206,7 @@ def test_hydra_preset_composes_to_valid_settings():
             overrides=["+experiment=onebit_digits16", "codec=onebit", "diagnostics_dir="],
         )
     settings = settings_from_cfg(cfg)
-    assert settings.codec["name"] == "onebit" and settings.codec["center"] == "previous"
+    assert settings.codec["name"] == "onebit" and settings.codec["center"] == "zero"
     assert settings.aggregation.handoff == "pre_aggregated"
     assert settings.train.noise_df == 2.5 and settings.num_clients == 16
 
