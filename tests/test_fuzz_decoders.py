@@ -10,6 +10,7 @@ import struct
 import time
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -93,9 +94,11 @@ def _mutate(buf: bytes, op: tuple) -> bytes:
     return bytes(out)
 
 
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: "-".join(str(v) for v in s.values()))
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.sampled_from(SPECS), st.integers(0, 3), st.lists(mutation, min_size=1, max_size=3))
+@given(seed=st.integers(0, 3), ops=st.lists(mutation, min_size=1, max_size=3))
 def test_mutated_payloads_decode_or_fail_cleanly(spec: dict, seed: int, ops: list) -> None:
+    """EXAMPLES cases per codec (10^4 in `make fuzz`)."""
     buf = _valid(spec, seed)
     for op in ops:
         buf = _mutate(buf, op)
