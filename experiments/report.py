@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from fedcomp.results import load_results
-from fedcomp.settings import flatten
+from fedcomp.settings import Settings, flatten, settings_to_dict
 
 #: Settings that differ per run without being part of the sweep.
 #: Per-run paths and switches that never define a method or setting.
@@ -40,8 +40,12 @@ def find_results(root: Path) -> list[Path]:
 
 
 def swept_keys(configs: Sequence[dict[str, Any]]) -> list[str]:
-    """Flat setting keys whose values differ between runs, in config order."""
-    flats = [flatten(c) for c in configs]
+    """Flat setting keys whose values differ between runs, in config order.
+
+    A setting missing from a results file (written before the setting existed) counts
+    as its default, so old and new runs of the same method still group together."""
+    defaults = flatten(settings_to_dict(Settings()))
+    flats = [{**defaults, **flatten(c)} for c in configs]
     keys: list[str] = []
     for flat in flats:
         keys += [k for k in flat if k not in keys]
@@ -314,10 +318,22 @@ def _paired_differences(
     return "\n".join(lines)
 
 
-def _label(keys: Sequence[str], group: tuple) -> str:
+def _label(keys: Sequence[str], group: tuple, informative: set[str] | None = None) -> str:
     return ", ".join(
-        f"{k.split('.')[-1]}={_cell(v)}" for k, v in zip(keys, group, strict=True) if v is not None
+        f"{k.split('.')[-1]}={_cell(v)}"
+        for k, v in zip(keys, group, strict=True)
+        if v is not None and (informative is None or k in informative)
     )
+
+
+def _informative(keys: Sequence[str], groups: Sequence[tuple]) -> set[str]:
+    """Keys worth a legend entry: the codec's name, and any key with two or more
+    values besides n/a (a parameter only one codec has, at one value, says nothing)."""
+    keep = {"codec.name"}
+    for i, key in enumerate(keys):
+        if len({repr(g[i]) for g in groups if g[i] is not None}) > 1:
+            keep.add(key)
+    return keep
 
 
 def accuracy_plot(
@@ -331,6 +347,7 @@ def accuracy_plot(
     import matplotlib.pyplot as plt
 
     keys, groups = group_runs(runs)
+    informative = _informative(keys, list(groups))
     fig, ax = plt.subplots(figsize=(8, 5))
     for i, (group, members) in enumerate(groups.items()):
         spent = np.mean([cumulative(m, key) for m in members], axis=0) / 1e6
@@ -340,7 +357,7 @@ def accuracy_plot(
                 for m in members
             ]
         )
-        label = _label(keys, group)
+        label = _label(keys, group, informative)
         color = plt.cm.tab20(i % 20)
         style = "--" if "residual" in label else "-"
         ax.plot(spent, np.nanmean(acc, axis=0), style, marker=".", label=label, color=color)
