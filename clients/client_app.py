@@ -64,6 +64,14 @@ def _model_from(msg: Message, task: Settings) -> torch.nn.Module:
     return model
 
 
+def _client_state_dir(msg: Message) -> str | None:
+    """Where the run keeps client codec memories on disk (settings.client_state_dir)."""
+    config = next((c for c in msg.content.config_records.values() if KEY_TASK in c), None)
+    if config is None:
+        return None
+    return json.loads(str(config[KEY_TASK])).get("client_state_dir") or None
+
+
 def make_client_app(
     policy: TensorPolicy | None = None, inner_mods: list[Mod] | None = None
 ) -> ClientApp:
@@ -75,7 +83,7 @@ def make_client_app(
     """
     # Fault injection (inactive unless faults.* rates are set): outside the compression
     # mod for crashes, drops and corrupt payloads, inside it for NaN models.
-    app = ClientApp(mods=[FaultMod(), CompressionMod(policy)])
+    app = ClientApp(mods=[FaultMod(), CompressionMod(policy, state_dir=_client_state_dir)])
 
     @app.query()
     def query(msg: Message, context: Context) -> Message:

@@ -9,7 +9,10 @@ nothing: its pending state is dropped and the committed one is used again.
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
@@ -105,4 +108,45 @@ def store_memory(state: RecordDict, memory: MemoryState) -> None:
             "version": memory.version,
             "pending-version": memory.pending_version,
         }
+    )
+
+
+def memory_path(directory: str | Path, stable_id: int) -> Path:
+    return Path(directory) / f"client-{stable_id:06d}.npz"
+
+
+def save_memory_file(path: str | Path, memory: MemoryState) -> None:
+    """Write the memory to a file, atomically (temporary file, then rename): a device
+    that restarts, or a resumed simulation, continues from the last complete write."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "spec": memory.spec,
+        "pending_round": memory.pending_round,
+        "version": memory.version,
+        "pending_version": memory.pending_version,
+    }
+    arrays = {f"c/{k}": v for k, v in memory.committed.items()}
+    arrays.update({f"p/{k}": v for k, v in memory.pending.items()})
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez(tmp, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
+    os.replace(tmp, path)
+
+
+def load_memory_file(path: str | Path) -> MemoryState | None:
+    """Read a memory file (None when there is none)."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    with np.load(path) as data:
+        meta = json.loads(bytes(data["meta"]).decode())
+        committed = {k[2:]: data[k] for k in data.files if k.startswith("c/")}
+        pending = {k[2:]: data[k] for k in data.files if k.startswith("p/")}
+    return MemoryState(
+        spec=meta["spec"],
+        committed=committed,
+        pending=pending,
+        pending_round=int(meta["pending_round"]),
+        version=int(meta["version"]),
+        pending_version=int(meta["pending_version"]),
     )

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,7 +35,14 @@ from flwr.clientapp.typing import ClientAppCallable
 from flwr.common.constant import ErrorCode
 
 from clients.identity import stable_id_of
-from clients.memory_state import MemoryState, load_memory, store_memory
+from clients.memory_state import (
+    MemoryState,
+    load_memory,
+    load_memory_file,
+    memory_path,
+    save_memory_file,
+    store_memory,
+)
 from fedcomp.codecs import (
     Codec,
     ErrorFeedback,
@@ -187,6 +195,12 @@ class CompressionMod:
     measure_error : bool (default: True)
         Report the codec's relative error sum ||decode(q) - x||^2 / sum ||x||^2 over
         the encoded tensors (costs one decode).
+    state_dir : str or callable, optional
+        Also keep the codec memory (error-feedback error, residual control variate) in
+        ``<state_dir>/client-<stable id>.npz``, written atomically after every reply and
+        read when ``Context.state`` has none: the memory survives a device restart (or
+        a resumed simulation) instead of being resynced. A callable gets the instruction
+        and returns the directory (or None).
     """
 
     def __init__(
@@ -195,8 +209,10 @@ class CompressionMod:
         *,
         measure_fp32_reference: bool = True,
         measure_error: bool = True,
+        state_dir: str | Callable[[Message], str | None] | None = None,
     ) -> None:
         self.policy = policy or TensorPolicy()
+        self.state_dir = state_dir
         self.measure_fp32_reference = measure_fp32_reference
         self.measure_error = measure_error
         self._fp32 = make_codec("fp32")
@@ -259,11 +275,11 @@ class CompressionMod:
         ack = int(config.get(KEY_ACK_ROUND, -1))
         t0 = time.perf_counter()
         if isinstance(codec, ErrorFeedback):
-            encoded = self._encode_feedback_reply(codec, policy, deltas, seeds, ctxt, ack)
+            encoded = self._encode_feedback_reply(codec, policy, deltas, seeds, msg, ctxt, ack)
         elif isinstance(codec, ResidualMemory):
             resync_asked = bool(int(config.get(KEY_RESYNC, 0)))
             encoded = self._encode_residual_reply(
-                codec, policy, deltas, seeds, ctxt, ack, resync_asked
+                codec, policy, deltas, seeds, msg, ctxt, ack, resync_asked
             )
         elif plan is not None:
             encoded = self._encode_joint(codec, policy, deltas, seeds, plan, run_seed, server_round)
@@ -304,6 +320,9 @@ class CompressionMod:
         reply = Message(content, reply_to=msg)
         if memory is not None:
             store_memory(ctxt.state, memory)  # last: nothing after this can fail
+            directory = self._state_dir(msg)
+            if directory:
+                save_memory_file(memory_path(directory, stable_id), memory)
         return reply
 
     def _encode_feedback_reply(
@@ -312,10 +331,11 @@ class CompressionMod:
         policy: TensorPolicy,
         deltas: dict[str, torch.Tensor],
         seeds: dict[str, int],
+        msg: Message,
         ctxt: Context,
         ack: int,
     ) -> _Encoded:
-        memory = load_memory(ctxt.state)
+        memory = self._load_memory(msg, ctxt)
         carried = memory.begin_round(ack, json.dumps(codec.spec()))
         payloads, pending = self._encode_with_feedback(codec, policy, deltas, seeds, carried)
         inputs = {  # EF encodes delta + the carried error
@@ -332,11 +352,12 @@ class CompressionMod:
         policy: TensorPolicy,
         deltas: dict[str, torch.Tensor],
         seeds: dict[str, int],
+        msg: Message,
         ctxt: Context,
         ack: int,
         resync_asked: bool,
     ) -> _Encoded:
-        memory = load_memory(ctxt.state)
+        memory = self._load_memory(msg, ctxt)
         h = memory.begin_round(ack, json.dumps(codec.spec()))
         covered = {n for n, d in deltas.items() if policy.codec_for(d, codec.inner) is codec.inner}
         # No usable state (a new device, wiped state, a changed model): restart in this
@@ -414,6 +435,19 @@ class CompressionMod:
             total += z.size
         stats = {METRIC_OUT_OF_RANGE: beyond / total if total else 0.0}
         return _Encoded(payloads, inputs={}, stats=stats)
+
+    def _state_dir(self, msg: Message) -> str | None:
+        return self.state_dir(msg) if callable(self.state_dir) else self.state_dir
+
+    def _load_memory(self, msg: Message, ctxt: Context) -> MemoryState:
+        """The memory in Context.state, else the one on disk (a restarted client)."""
+        memory = load_memory(ctxt.state)
+        directory = self._state_dir(msg)
+        if directory and not memory.spec:
+            saved = load_memory_file(memory_path(directory, stable_id_of(ctxt)))
+            if saved is not None:
+                return saved
+        return memory
 
     def _policy(self, config: ConfigRecord) -> TensorPolicy:
         if KEY_POLICY not in config:

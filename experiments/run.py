@@ -34,6 +34,8 @@ def settings_from_cfg(cfg: DictConfig, results_path: str = "") -> Settings:
     tree.pop("hydra", None)
     if results_path:
         tree["results_path"] = results_path
+        if not tree.get("client_state_dir"):
+            tree["client_state_dir"] = str(Path(results_path).parent / "client_state")
     return validate(settings_from_dict(tree))
 
 

@@ -21,7 +21,14 @@ from typing import Any
 import numpy as np
 
 #: Settings that may differ between the stopped run and its continuation.
-RESUMABLE_DIFFERENCES = ("num_rounds", "resume", "results_path", "diagnostics_dir", "progress")
+RESUMABLE_DIFFERENCES = (
+    "num_rounds",
+    "resume",
+    "results_path",
+    "diagnostics_dir",
+    "progress",
+    "client_state_dir",
+)
 
 
 @dataclass

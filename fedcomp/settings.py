@@ -195,6 +195,10 @@ class Settings:
     #: Continue the stopped run in this directory from its last checkpoint (runs with a
     #: results_path write one after every round). "" = a new run.
     resume: str = ""
+    #: Clients also keep their codec memory (error-feedback error, residual control
+    #: variate) in files here, so a resumed run continues with it ("" = only in
+    #: Context.state). experiments.run sets it to <run dir>/client_state.
+    client_state_dir: str = ""
     #: Progress display: "bar" (one line updated in place on stderr), "log" (a progress
     #: log line at most once a minute), "auto" (bar when stderr is a terminal, else log).
     progress: str = "auto"

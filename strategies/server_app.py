@@ -8,6 +8,7 @@ Deployment Engine) through ``fedcomp.settings.settings_from_run_config``.
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -49,6 +50,7 @@ CLIENT_TASK_KEYS = (
     "train",
     "diagnostics_dir",
     "faults",
+    "client_state_dir",
 )
 
 
@@ -106,6 +108,11 @@ def _resume(settings: Settings, strategy: CompressedStrategy) -> tuple[ArrayReco
     """Restore a stopped run's state into ``strategy``; the model and the next round."""
     ckpt = load_checkpoint(settings.resume)
     check_compatible(ckpt.settings, settings_to_dict(settings))
+    old_states = ckpt.settings.get("client_state_dir") or ""
+    if settings.client_state_dir and old_states and Path(old_states).is_dir():
+        # The clients' codec memories as of the stopped run (a client whose reply the
+        # checkpoint did not acknowledge drops its pending state by itself).
+        shutil.copytree(old_states, settings.client_state_dir, dirs_exist_ok=True)
     if ckpt.round >= settings.num_rounds:
         raise ValueError(
             f"resume={settings.resume}: the run already finished round {ckpt.round} of "

@@ -16,7 +16,7 @@ from strategies.server_app import run_server
 N = 4
 
 
-def _run(tmp_path, name, *, rounds, codec, resume="", strategy="fedadam"):
+def _run(tmp_path, name, *, rounds, codec, resume="", strategy="fedadam", client_state=False):
     set_task_identity()
     run_dir = tmp_path / name
     run_dir.mkdir()
@@ -31,6 +31,7 @@ def _run(tmp_path, name, *, rounds, codec, resume="", strategy="fedadam"):
             "results_path": str(run_dir / "results.json"),
             "resume": resume,
             "progress": "off",
+            "client_state_dir": str(run_dir / "client_state") if client_state else "",
         }
     )
     results = run_server(InProcessGrid(make_client_app(), N), settings)
@@ -83,3 +84,28 @@ def test_resume_refuses_a_different_run_or_a_finished_one(tmp_path):
         _run(tmp_path, "again", rounds=2, codec=codec, resume=str(tmp_path / "stopped"))
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         _run(tmp_path, "nothing", rounds=2, codec=codec, resume=str(tmp_path / "missing"))
+
+
+def test_resume_with_client_states_equals_the_uninterrupted_residual_run(tmp_path):
+    """With the clients' codec memories on disk (client_state_dir, what experiments.run
+    sets), a stopped residual run resumes in NEW client processes (fresh contexts) and
+    ends bit for bit where the uninterrupted run does: no restart, no resync."""
+    codec = {"name": "residual", "inner": "uniform", "bits": 2, "block": 64}
+    full, full_ckpt = _run(
+        tmp_path, "full", rounds=4, codec=codec, strategy="fedavg", client_state=True
+    )
+    _run(tmp_path, "stopped", rounds=2, codec=codec, strategy="fedavg", client_state=True)
+    resumed, resumed_ckpt = _run(
+        tmp_path,
+        "resumed",
+        rounds=4,
+        codec=codec,
+        strategy="fedavg",
+        client_state=True,
+        resume=str(tmp_path / "stopped"),
+    )
+    assert [r["codec"]["restarts"] for r in resumed["rounds"]][2:] == [0, 0]
+    for a, b in zip(full["rounds"], resumed["rounds"], strict=True):
+        assert (a["accuracy"], a["loss"]) == (b["accuracy"], b["loss"])
+    for name, value in full_ckpt.arrays.items():
+        assert np.array_equal(value, resumed_ckpt.arrays[name]), name
