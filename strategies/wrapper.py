@@ -416,8 +416,7 @@ class CompressedStrategy(Strategy):
                 server_round=state.number,
                 stable_id=sid,
             )
-            for name, codec in codecs.items():
-                state.tensor_codecs.setdefault(name, codec)
+            _note_codecs(state, codecs)
             return _Decoded(sid, deltas, weight, metrics, msg, joint=joint)
         deltas, codecs = decode_payloads(
             payloads,
@@ -426,8 +425,7 @@ class CompressedStrategy(Strategy):
             server_round=state.number,
             stable_id=sid,
         )
-        for name, codec in codecs.items():
-            state.tensor_codecs.setdefault(name, codec)
+        _note_codecs(state, codecs)
         if self.cv is not None:  # last: nothing may fail after the mirror moved
             sync = int(header.get(KEY_RESYNC, 0))
             ghat = self.cv.reconstruct(
@@ -734,6 +732,12 @@ class CompressedStrategy(Strategy):
         log.info(log_line(record, self._num_rounds))
         if self.on_round is not None:
             self.on_round(record)
+
+
+def _note_codecs(state: _RoundState, codecs: Mapping[str, str]) -> None:
+    """Record which codec each tensor travelled with (the first reply that says so)."""
+    for name, codec in codecs.items():
+        state.tensor_codecs.setdefault(name, codec)
 
 
 def _short(reason: str, limit: int = 300) -> str:

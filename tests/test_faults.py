@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 
 from clients.client_app import make_client_app
 from clients.faults import KINDS, draw_fault
@@ -17,6 +17,7 @@ from strategies.inner import make_inner_strategy
 from strategies.server_app import client_task
 from strategies.wrapper import CompressedStrategy
 from tests.test_residual_protocol import _assert_mirrors_match
+from tests.test_residual_protocol import run_rounds as _rounds
 
 N = 4
 
@@ -43,16 +44,6 @@ def _setup(codec, faults=None, weight_cap=0.0, inner_mods=None, tamper=None):
         weight_cap=weight_cap,
     )
     return settings, grid, strategy
-
-
-def _rounds(strategy, grid, arrays, rounds):
-    strategy.ids.refresh(grid, expected=N, timeout=5)
-    for rnd in rounds:
-        replies = grid.send_and_receive(strategy.configure_train(rnd, arrays, ConfigRecord(), grid))
-        new, _ = strategy.aggregate_train(rnd, replies)
-        strategy._close_round(rnd, None)
-        arrays = new if new is not None else arrays
-    return arrays
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -43,14 +43,18 @@ def make_joint_code(name: str, **params: Any):
     """Build a joint code (``onebit``), naming a parameter it does not take."""
     from fedcomp.onebit import OneBitCode  # imported lazily: the joint path is optional
 
-    accepted = set(OneBitCode.__dataclass_fields__)
+    _check_params(name, params, set(OneBitCode.__dataclass_fields__))
+    return OneBitCode(**params)
+
+
+def _check_params(name: str, params: Mapping[str, Any], accepted: set[str]) -> None:
+    """A parameter the codec does not take is an error that lists the ones it does."""
     unknown = sorted(set(params) - accepted)
     if unknown:
         raise ValueError(
             f"codec {name!r} does not take parameter(s) {', '.join(unknown)}; "
-            f"it takes: {', '.join(sorted(accepted))}"
+            f"it takes: {', '.join(sorted(accepted)) or 'no parameters'}"
         )
-    return OneBitCode(**params)
 
 
 def make_codec(name: str, **params: Any) -> Codec | Memory | Any:
@@ -90,12 +94,7 @@ def make_codec(name: str, **params: Any) -> Codec | Memory | Any:
         and param.kind is not param.VAR_POSITIONAL
         and param.kind is not param.VAR_KEYWORD
     }
-    unknown = sorted(set(params) - accepted)
-    if unknown:
-        raise ValueError(
-            f"codec {name!r} does not take parameter(s) {', '.join(unknown)}; "
-            f"it takes: {', '.join(sorted(accepted)) or 'no parameters'}"
-        )
+    _check_params(name, params, accepted)
     return cls(**params)
 
 
