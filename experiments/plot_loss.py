@@ -1,7 +1,7 @@
 """Test loss per round, one line per codec, one panel per noise level (the one-bit
 experiments' loss curves).
 
-    python -m experiments.plot_loss multirun/onebit_digits experiments/results/onebit_digits_loss.png
+    python -m experiments.plot_loss multirun/onebit_digits <out.png>
 """
 
 from __future__ import annotations
