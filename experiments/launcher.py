@@ -337,13 +337,19 @@ def stop_components(components: list[Component], grace_s: float) -> list[int]:
 
 @contextlib.contextmanager
 def signals_raise() -> Iterator[None]:
-    """SIGTERM and SIGHUP raise :class:`Interrupted` (SIGINT raises KeyboardInterrupt)."""
+    """SIGTERM and SIGHUP raise :class:`Interrupted`, SIGINT KeyboardInterrupt.
+
+    SIGINT is set explicitly: a process started in the background by a non-interactive
+    shell inherits SIGINT as IGNORED, and Python keeps it so; Ctrl-C (or ``kill -INT``)
+    must still stop the deployment (measured: without this, a backgrounded launcher
+    ran its job to the end after SIGINT)."""
 
     def handler(signum: int, _frame: Any) -> None:
         raise Interrupted(signal.Signals(signum).name)
 
     try:
         old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
+        old[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
     except ValueError:  # not the main thread: the caller owns signal handling
         yield
         return
