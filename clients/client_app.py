@@ -42,8 +42,12 @@ METRIC_EVAL_ACC = "eval_acc"
 METRIC_TRAIN_LOSS = "train_loss"
 
 
+def _task_config(msg: Message) -> ConfigRecord | None:
+    return next((c for c in msg.content.config_records.values() if KEY_TASK in c), None)
+
+
 def _task(msg: Message) -> Settings:
-    config = next((c for c in msg.content.config_records.values() if KEY_TASK in c), None)
+    config = _task_config(msg)
     if config is None:
         raise ValueError(
             f"instruction has no '{KEY_TASK}' config: this ClientApp is driven by "
@@ -66,7 +70,7 @@ def _model_from(msg: Message, task: Settings) -> torch.nn.Module:
 
 def _client_state_dir(msg: Message) -> str | None:
     """Where the run keeps client codec memories on disk (settings.client_state_dir)."""
-    config = next((c for c in msg.content.config_records.values() if KEY_TASK in c), None)
+    config = _task_config(msg)
     if config is None:
         return None
     return json.loads(str(config[KEY_TASK])).get("client_state_dir") or None

@@ -275,11 +275,13 @@ class CompressionMod:
         ack = int(config.get(KEY_ACK_ROUND, -1))
         t0 = time.perf_counter()
         if isinstance(codec, ErrorFeedback):
-            encoded = self._encode_feedback_reply(codec, policy, deltas, seeds, msg, ctxt, ack)
+            memory = self._load_memory(msg, ctxt)
+            encoded = self._encode_feedback_reply(codec, policy, deltas, seeds, memory, ack)
         elif isinstance(codec, ResidualMemory):
             resync_asked = bool(int(config.get(KEY_RESYNC, 0)))
+            memory = self._load_memory(msg, ctxt)
             encoded = self._encode_residual_reply(
-                codec, policy, deltas, seeds, msg, ctxt, ack, resync_asked
+                codec, policy, deltas, seeds, memory, ack, resync_asked
             )
         elif plan is not None:
             encoded = self._encode_joint(codec, policy, deltas, seeds, plan, run_seed, server_round)
@@ -331,11 +333,9 @@ class CompressionMod:
         policy: TensorPolicy,
         deltas: dict[str, torch.Tensor],
         seeds: dict[str, int],
-        msg: Message,
-        ctxt: Context,
+        memory: MemoryState,
         ack: int,
     ) -> _Encoded:
-        memory = self._load_memory(msg, ctxt)
         carried = memory.begin_round(ack, json.dumps(codec.spec()))
         payloads, pending = self._encode_with_feedback(codec, policy, deltas, seeds, carried)
         inputs = {  # EF encodes delta + the carried error
@@ -352,12 +352,10 @@ class CompressionMod:
         policy: TensorPolicy,
         deltas: dict[str, torch.Tensor],
         seeds: dict[str, int],
-        msg: Message,
-        ctxt: Context,
+        memory: MemoryState,
         ack: int,
         resync_asked: bool,
     ) -> _Encoded:
-        memory = self._load_memory(msg, ctxt)
         h = memory.begin_round(ack, json.dumps(codec.spec()))
         covered = {n for n, d in deltas.items() if policy.codec_for(d, codec.inner) is codec.inner}
         # No usable state (a new device, wiped state, a changed model): restart in this

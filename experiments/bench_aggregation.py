@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from experiments.runtime import emit
 from fedcomp.trees import CANDIDATES, candidate_trees, reduce_tree, select_tree
 
 DTYPES = ("fp32", "bf16", "fp16")
@@ -259,10 +260,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"| {t_tree / t_plain:.2f}x |"
             )
     text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+    emit(text, args.out)
     return 0
 
 

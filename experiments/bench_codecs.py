@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from experiments.runtime import emit
 from fedcomp.aggregate import weighted_mean
 from fedcomp.codecs import decode_bytes, make_codec
 from fedcomp.codecs.wire import HEADER_FIXED_BYTES
@@ -197,10 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     server_rows = bench_server(args.clients, args.server_size, 2 * args.repeats)
     codec_rows = bench_codecs(args.sizes, args.repeats)
     text = markdown(codec_rows, server_rows, args.clients, args.server_size)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+    emit(text, args.out)
     return 0
 
 

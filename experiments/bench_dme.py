@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from experiments.runtime import emit
 from fedcomp.codecs import decode_bytes, make_codec
 from fedcomp.codecs.wire import HEADER_FIXED_BYTES
 from fedcomp.onebit import OneBitCode
@@ -405,10 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = bench_grid(args.dim, args.reps, NS, BITS, DFS, LAMS)
     speed = bench_speed(args.speed_dim, args.speed_clients)
     text = markdown(rows, speed, args.dim, args.reps, time.perf_counter() - t0)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+    emit(text, args.out)
     return 0
 
 

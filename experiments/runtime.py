@@ -50,3 +50,11 @@ def quiet_flower(verbose: bool) -> None:
 def _drop_run_simulation_notice(record: logging.LogRecord) -> bool:
     """We call run_simulation on purpose (FLOWER_NOTES.md): drop its deprecation notice."""
     return "`run_simulation` function is deprecated" not in record.getMessage()
+
+
+def emit(text: str, out: Path | None) -> None:
+    """Print a benchmark's summary and, with ``--out``, write it there too."""
+    print(text)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)

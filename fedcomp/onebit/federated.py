@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from fedcomp.onebit.code import OneBitCode
+from fedcomp.onebit.queries import make_geometry
 from fedcomp.rng import derive_seed
 
 
@@ -54,7 +55,7 @@ def out_of_range_fraction(z_abs: np.ndarray, code: OneBitCode) -> float:
     """Fraction of |x / tau| beyond ``L_J / 4`` (they wrap unless the center is near)."""
     if z_abs.size == 0:
         return 0.0
-    top = code.a0 * 2.0 ** np.ceil(np.log2(code.top / code.a0) - 1e-12)
+    top = make_geometry(0.0, top=code.top, a0=code.a0, localize=False).top
     return float(np.mean(z_abs > top / 4))
 
 
