@@ -2,6 +2,7 @@
 # Each target creates (or reuses) .venv and installs the project with its extras,
 # using this machine's exact versions from constraints.txt.
 
+SHELL  := /bin/bash
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -45,9 +46,16 @@ bench: $(STAMP)
 bench-dme: $(STAMP)
 	$(PY) -m experiments.bench_dme --out experiments/results/bench_dme.md
 
-## fuzz: 10^4 fuzz cases per decoder property (a sample runs in `make test`)
+## fuzz: 10^4 cases per decoder under a memory cap (a derandomized sample runs in
+## `make test`); prints its seed (replay with FUZZ_SEED=N), cases per decoder, wall time
 fuzz: $(STAMP)
-	FEDCOMP_FUZZ_EXAMPLES=10000 $(PY) -m pytest -q tests/test_fuzz_decoders.py
+	@seed=$${FUZZ_SEED:-$$(od -An -N4 -tu4 /dev/urandom | tr -d ' ')}; \
+	echo "fuzz seed $$seed (replay: make fuzz FUZZ_SEED=$$seed)"; start=$$(date +%s); \
+	FEDCOMP_FUZZ_EXAMPLES=10000 FEDCOMP_HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q \
+	    tests/test_fuzz_decoders.py --hypothesis-seed=$$seed --hypothesis-show-statistics \
+	    | grep -E "^tests/|passing examples|failing examples|Stopped because|passed|failed"; \
+	status=$${PIPESTATUS[0]}; \
+	echo "fuzz: seed $$seed, wall time $$(( $$(date +%s) - start )) s"; exit $$status
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

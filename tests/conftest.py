@@ -11,9 +11,17 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
+from hypothesis import settings as hypothesis_settings
 
 import experiments  # noqa: F401  (sets FLWR_TELEMETRY_ENABLED, FLWR_HOME, Ray temp dir)
 from experiments.inprocess import set_task_identity
+
+# Property tests replay: `make test` draws the same cases every run (derandomized, no
+# example database), so a CI failure reproduces as it is; `make fuzz` draws new cases
+# from a seed it prints (FEDCOMP_HYPOTHESIS_PROFILE=fuzz with --hypothesis-seed).
+hypothesis_settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+hypothesis_settings.register_profile("fuzz", database=None, print_blob=True)
+hypothesis_settings.load_profile(os.environ.get("FEDCOMP_HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture(autouse=True)

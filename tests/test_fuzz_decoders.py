@@ -1,23 +1,38 @@
-"""Property-based fuzzing of every decoder (a sample here; `make fuzz` runs 10^4 cases per
-codec): random buffers and mutated valid payloads (truncated, extended, bit flips, wrong
-header fields, huge claimed shapes, NaN/Inf scales) end in a decoded tensor or a
-PayloadError, within bounded time, never another exception."""
+"""Property-based fuzzing of every decoder under an address-space cap (a sample here;
+`make fuzz` runs 10^4 cases per decoder with a printed, replayable seed).
+
+Random buffers and mutated valid payloads (truncated, extended, bit flips, overwritten
+header and body fields, huge claimed shapes, NaN/Inf scales) must end in a decoded
+tensor of the claimed shape or a PayloadError, never another exception; the server's
+path (the payload checked against the codec spec the server sent, then decoded) must
+end in a decoded update or a Rejection. The cap turns any allocation beyond
+``HEADROOM`` into a test failure instead of an out-of-memory machine: the inputs hold at
+most ``LIMIT`` elements (40 kB in float32), so a decoder that needs more than 256 MiB
+for them trusts a field it should not.
+"""
 
 from __future__ import annotations
 
 import os
 import struct
-import time
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from flwr.app import Array, ArrayRecord
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from fedcomp.codecs import PayloadError, decode_bytes, make_codec
+from experiments.fuzzing import FLOATS, mutate
+from experiments.memory import address_space_cap
+from fedcomp.codecs import PayloadError, TensorPolicy, decode_bytes, make_codec, parse_payload
+from fedcomp.failures import Rejection
+from fedcomp.rng import derive_seed
+from strategies.validation import decode_payloads
 
-EXAMPLES = int(os.environ.get("FEDCOMP_FUZZ_EXAMPLES", "150"))
+EXAMPLES = int(os.environ.get("FEDCOMP_FUZZ_EXAMPLES", "100"))
+HEADROOM = 256 << 20
+LIMIT = 10_000  # what a server passes: the size of the matching global tensor
 SPECS = [
     {"name": "raw"},
     {"name": "fp32"},
@@ -31,29 +46,53 @@ SPECS = [
     {"name": "topk", "fraction": 0.2},
     {"name": "randk", "fraction": 0.3},
 ]
+RUN_SEED, ROUND, CLIENT, NAME = 3, 2, 5, "w"
 
 
-def _valid(spec: dict, seed: int) -> bytes:
-    params = {k: v for k, v in spec.items() if k != "name"}
-    x = torch.randn(7, 11, generator=torch.Generator().manual_seed(seed))
+@pytest.fixture(autouse=True)
+def _memory_cap():
+    with address_space_cap(HEADROOM):
+        yield
+
+
+def _codec(spec: dict):
+    return make_codec(spec["name"], **{k: v for k, v in spec.items() if k != "name"})
+
+
+def _input(spec: dict) -> torch.Tensor:
     if spec["name"] == "raw":
-        x = torch.arange(24, dtype=torch.int64).reshape(4, 6)
-    return bytes(make_codec(spec["name"], **params).encode(x, seed=seed))
+        return torch.arange(77, dtype=torch.int64).reshape(7, 11)
+    return torch.randn(7, 11, generator=torch.Generator().manual_seed(0))
 
 
-LIMIT = 10_000  # what a server would pass: the size of the matching global tensor
+def _valid(spec: dict) -> bytes:
+    seed = derive_seed(RUN_SEED, ROUND, CLIENT, NAME)
+    return bytes(_codec(spec).encode(_input(spec), seed=seed))
 
 
 def _decode_or_reject(buf: bytes) -> None:
-    t0 = time.perf_counter()
     try:
         out = decode_bytes(buf, max_numel=LIMIT)
     except PayloadError:
-        pass
-    else:
-        assert isinstance(out, torch.Tensor)
-        assert out.numel() <= LIMIT  # an untrusted shape never allocates beyond the limit
-    assert time.perf_counter() - t0 < 2.0
+        return
+    header = parse_payload(buf, LIMIT).header
+    assert isinstance(out, torch.Tensor)
+    assert tuple(out.shape) == header.shape and out.dtype == header.dtype
+
+
+def _raw_array(buf: bytes) -> Array:
+    """A payload as the mod sends it: raw uint8 bytes, no np.save header."""
+    return Array(dtype="uint8", shape=(len(buf),), stype="raw", data=buf)
+
+
+def _server_decode_or_reject(buf: bytes, spec: dict) -> None:
+    """What the wrapper runs on a reply: spec check, then decode (policy: compress all)."""
+    reference = _input(spec).numpy()
+    try:
+        deltas, _ = _server_decode(buf, spec)
+    except Rejection:
+        return
+    assert deltas[NAME].shape == reference.shape and deltas[NAME].dtype == reference.dtype
 
 
 mutation = st.one_of(
@@ -62,47 +101,88 @@ mutation = st.one_of(
     st.tuples(st.just("flip"), st.integers(0, 10_000), st.integers(0, 7)),
     st.tuples(st.just("u8"), st.integers(0, 15), st.integers(0, 255)),
     st.tuples(st.just("shape"), st.integers(0, 1), st.integers(0, 2**32 - 1)),
+    st.tuples(st.just("u32"), st.integers(0, 40), st.integers(0, 2**32 - 1)),
     st.tuples(
         st.just("float"),
         st.integers(0, 10_000),
-        st.sampled_from([np.nan, np.inf, -np.inf, -1.0, 3.4e38]),
+        st.sampled_from(FLOATS),
     ),
 )
 
 
-def _mutate(buf: bytes, op: tuple) -> bytes:
-    out = bytearray(buf)
-    kind = op[0]
-    if not out and kind != "extend":
-        return bytes(out)
-    if kind == "truncate":
-        return bytes(out[: op[1] % (len(out) + 1)])
-    if kind == "extend":
-        return bytes(out) + op[1]
-    if kind == "flip":
-        i = op[1] % len(out)
-        out[i] ^= 1 << op[2]
-    elif kind == "u8":
-        out[op[1] % min(16, len(out))] = op[2]
-    elif kind == "shape":
-        offset = 16 + 4 * op[1]
-        if offset + 4 <= len(out):
-            struct.pack_into("<I", out, offset, op[2])
-    elif kind == "float":
-        i = op[1] % max(len(out) - 3, 1)
-        out[i : i + 4] = np.array([op[2]], dtype="<f4").tobytes()[: len(out) - i]
-    return bytes(out)
+# Regression examples. The first is the 8.6 GB block-size bomb (issue found by `make
+# fuzz`): a 7x11 tensor's body starts at byte 24, so uniform/dither/qsgd read the block
+# at 26 and sign at 24; 2^31 - 1 there made the decoders pad to 2^31 elements.
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: "-".join(str(v) for v in s.values()))
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(mutation, min_size=1, max_size=3))
+@example(ops=[("u32", 26, 2**31 - 1)])
+@example(ops=[("u32", 24, 2**31 - 1)])
+@example(ops=[("float", 26, 3.4e38)])
+@example(ops=[("u32", 24, 2**32 - 1), ("u32", 28, 2**32 - 1)])
+def test_mutated_payloads_decode_or_fail_cleanly(spec: dict, ops: list) -> None:
+    """EXAMPLES cases per codec (10^4 in `make fuzz`), through the context-free
+    decoder and through the server's checked path."""
+    buf = _valid(spec)
+    for op in ops:
+        buf = mutate(buf, op)
+    _decode_or_reject(buf)
+    _server_decode_or_reject(buf, spec)
+
+
+@pytest.mark.parametrize(
+    ("spec", "offset", "field", "fmt", "value"),
+    [
+        ({"name": "uniform", "bits": 8, "block": 256}, 2, "block", "<I", 2**31 - 1),
+        ({"name": "dither", "bits": 2, "block": 32}, 2, "block", "<I", 2**31 - 1),
+        ({"name": "qsgd", "levels": 5, "block": 32}, 2, "block", "<I", 2**31 - 1),
+        ({"name": "sign", "block": 16}, 0, "block", "<I", 2**31 - 1),
+        ({"name": "uniform", "bits": 8, "block": 256}, 0, "bits", "<B", 4),
+        ({"name": "qsgd", "levels": 5, "block": 32}, 0, "levels", "<B", 127),
+        ({"name": "topk", "fraction": 0.2}, 0, "k", "<Q", 10),
+        ({"name": "randk", "fraction": 0.3}, 0, "k", "<Q", 1),
+    ],
+)
+def test_one_overwritten_field_is_a_spec_mismatch_naming_it(spec, offset, field, fmt, value):
+    """The issue's bomb and its relatives: one body field overwritten with a value
+    within its hard bound. The context-free decoder may decode it (without allocating
+    beyond the tensor's size); the server, which knows what it asked for, names the
+    field, the value and the expected value."""
+    from fedcomp.codecs.wire import SpecMismatch
+
+    buf = bytearray(_valid(spec))
+    struct.pack_into(fmt, buf, 24 + offset, value)  # 7x11: the body starts at byte 24
+    expected = _codec(spec).expected_params(77)[field]
+    with pytest.raises(SpecMismatch, match=f"{field} is {value}.*asked for {expected}") as err:
+        _codec(spec).check_payload(parse_payload(bytes(buf)))
+    assert (err.value.field, err.value.value, err.value.expected) == (field, value, expected)
+    with pytest.raises(Rejection, match=field):
+        _server_decode(bytes(buf), spec)
+
+
+def _server_decode(buf: bytes, spec: dict):
+    return decode_payloads(
+        ArrayRecord({NAME: _raw_array(buf)}),
+        {NAME: _input(spec).numpy()},
+        codec=_codec(spec),
+        policy=TensorPolicy(min_numel=0),
+        run_seed=RUN_SEED,
+        server_round=ROUND,
+        stable_id=CLIENT,
+    )
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: "-".join(str(v) for v in s.values()))
-@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 3), ops=st.lists(mutation, min_size=1, max_size=3))
-def test_mutated_payloads_decode_or_fail_cleanly(spec: dict, seed: int, ops: list) -> None:
-    """EXAMPLES cases per codec (10^4 in `make fuzz`)."""
-    buf = _valid(spec, seed)
-    for op in ops:
-        buf = _mutate(buf, op)
-    _decode_or_reject(buf)
+def test_the_fuzzed_decoders_accept_what_they_should(spec: dict) -> None:
+    """A decoder that rejects everything would pass the properties above: each one
+    must decode its valid payload exactly as the codec does, and still decode after a
+    bit flip in its last byte (codes or values, which any bits may hold)."""
+    codec, buf = _codec(spec), _valid(spec)
+    expected = codec.decode(parse_payload(buf)).numpy()
+    assert np.array_equal(decode_bytes(buf, max_numel=LIMIT).numpy(), expected)
+    flipped = bytearray(buf)
+    flipped[-1] ^= 1
+    assert decode_bytes(bytes(flipped), max_numel=LIMIT).shape == expected.shape
 
 
 @settings(max_examples=EXAMPLES, deadline=None)
@@ -120,39 +200,41 @@ def test_random_bodies_behind_a_valid_magic(header: bytes, body: bytes) -> None:
     _decode_or_reject(bytes(head) + body)
 
 
-_ONEBIT = None
+_PLAN = {"client_index": 1, "num_clients": 3, "seed": 5, "tau": 0.5, "shape": (7, 11)}
 
 
-def _onebit_plan():
-    """A valid one-bit reply and the plan the server checks it against."""
-    global _ONEBIT
-    if _ONEBIT is None:
-        from fedcomp.onebit import OneBitCode
+def _onebit():
+    from fedcomp.onebit import OneBitCode
 
-        code = OneBitCode(bits=2, lam=10.0, block=16)
-        x = torch.randn(7, 11, generator=torch.Generator().manual_seed(0))
-        payload = bytes(code.encode(x, client_index=1, num_clients=3, seed=5, tau=0.5))
-        _ONEBIT = (code, payload)
-    return _ONEBIT
+    code = OneBitCode(bits=2, lam=10.0, block=16)
+    x = torch.randn(7, 11, generator=torch.Generator().manual_seed(0))
+    plan = {k: v for k, v in _PLAN.items() if k != "shape"}
+    return code, bytes(code.encode(x, **plan))
 
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(mutation, min_size=1, max_size=3))
+@example([("u32", 24 + 8, 2**31 - 1)])
 def test_mutated_onebit_replies_are_accepted_or_rejected_cleanly(ops: list) -> None:
     """The joint code's per-reply check (the wrapper's gate before joint decoding):
-    a mutated reply passes only if it still matches the public plan exactly, and then
-    the decoder takes it; anything else is a PayloadError."""
-    code, buf = _onebit_plan()
+    a mutated reply passes only if its header and every public parameter are still
+    exactly the plan's (only answer bits, scale codes and the float dtype of the
+    original tensor may differ; the wrapper compares the dtype with the model's), and
+    the decoder then takes it; anything else is a PayloadError."""
+    code, original = _onebit()
+    buf = original
     for op in ops:
-        buf = _mutate(buf, op)
-    plan = {"client_index": 1, "num_clients": 3, "seed": 5, "tau": 0.5, "shape": (7, 11)}
-    t0 = time.perf_counter()
+        buf = mutate(buf, op)
     try:
-        code.check(buf, **plan)
+        code.check(buf, **_PLAN)
     except PayloadError:
         return
-    mean = code.decode_mean(
-        [buf], client_indices=[1], num_clients=3, seed=5, tau=0.5, shape=(7, 11)
-    )
+    from fedcomp.onebit.code import _BODY
+
+    fixed = 24 + _BODY.size  # fixed header, 2-d shape, one-bit preamble
+    assert len(buf) == len(original)
+    assert buf[:4] == original[:4] and buf[5:fixed] == original[5:fixed]
+    assert parse_payload(buf).header.dtype.is_floating_point
+    plan = {k: v for k, v in _PLAN.items() if k != "client_index"}
+    mean = code.decode_mean([buf], client_indices=[1], **plan)
     assert mean.shape == (7, 11) and torch.isfinite(mean).all()
-    assert time.perf_counter() - t0 < 2.0

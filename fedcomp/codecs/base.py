@@ -12,6 +12,7 @@ from fedcomp.codecs.wire import (
     Payload,
     PayloadError,
     PayloadHeader,
+    check_field,
     parse_payload,
 )
 
@@ -46,6 +47,41 @@ class Codec(ABC):
     def decode(self, payload: Payload) -> torch.Tensor:
         """Decode a payload produced by :meth:`encode`."""
         return type(self).decode_payload(payload)
+
+    @classmethod
+    def read_params(cls, payload: Payload) -> dict[str, int]:
+        """The parameters the payload's body declares (bits, block, levels, k, ...),
+        each checked against this codec's hard bounds before anything is allocated.
+
+        Decoders call it first; their work and memory are then bounded by a small
+        multiple of the claimed tensor size, whatever the parameters say.
+
+        Raises
+        ------
+        PayloadError
+            Naming the field and its bound.
+        """
+        return {}
+
+    def expected_params(self, numel: int) -> dict[str, int]:
+        """The body parameters this codec writes for a tensor of ``numel`` elements."""
+        return {}
+
+    def check_payload(self, payload: Payload) -> None:
+        """Check a received payload against THIS codec (the spec the server sent):
+        the codec id and every body parameter, before decoding.
+
+        Raises
+        ------
+        SpecMismatch
+            Naming the field, the value and the value the server asked for.
+        PayloadError
+            When a parameter is beyond its hard bound.
+        """
+        check_field(self.name, "codec id", payload.header.codec_id, self.codec_id)
+        got = type(self).read_params(payload)
+        for key, want in self.expected_params(payload.header.numel).items():
+            check_field(self.name, key, got[key], want)
 
     def spec(self) -> dict[str, Any]:
         """The spec that rebuilds this codec with ``make_codec(**spec)``."""

@@ -25,8 +25,10 @@ class TensorPolicy:
         if self.min_numel < 0:
             raise ValueError(f"min_numel must be >= 0, got {self.min_numel!r}")
 
+    def travels_raw(self, floating: bool, numel: int) -> bool:
+        """The rule, once for both sides: integer tensors and small ones travel raw."""
+        return not floating or numel < self.min_numel
+
     def codec_for(self, x: torch.Tensor, codec: Codec) -> Codec:
         """The codec that tensor ``x`` travels with."""
-        if not x.is_floating_point() or x.numel() < self.min_numel:
-            return _RAW
-        return codec
+        return _RAW if self.travels_raw(x.is_floating_point(), x.numel()) else codec

@@ -18,10 +18,12 @@ import torch
 
 from fedcomp.codecs.base import Codec, header_for, register
 from fedcomp.codecs.blocks import (
+    MAX_BLOCK,
     block_counts,
     block_reduce,
     check_block,
     check_finite_scales,
+    check_range,
     chunk_blocks,
     chunks,
     dither_range,
@@ -30,6 +32,7 @@ from fedcomp.codecs.blocks import (
     num_blocks,
     private_generator,
     read_scales,
+    scale_blocks_,
 )
 from fedcomp.codecs.packing import pack_bits, packed_size, unpack_bits
 from fedcomp.codecs.wire import Payload, PayloadError
@@ -45,6 +48,20 @@ def _float_only(x: torch.Tensor, codec: str) -> None:
 
 def _scales_bytes(scales: torch.Tensor) -> bytes:
     return scales.to(torch.float32).numpy().astype("<f4").tobytes()
+
+
+def _read_bits_block(payload: Payload, codec: str, first: str, high: int) -> dict[str, int]:
+    """The ``u8 first, u8 0, u32 block`` parameters of uniform/dither/qsgd, bounded."""
+    body = memoryview(payload.body)
+    if len(body) < _BITS_BLOCK.size:
+        raise PayloadError(f"{codec}: body too short for its parameters")
+    if not payload.header.dtype.is_floating_point:
+        raise PayloadError(f"{codec}: payload declares a non-float dtype {payload.header.dtype}")
+    value, _, block = _BITS_BLOCK.unpack_from(body, 0)
+    return {
+        first: check_range(codec, first, value, 1, high),
+        "block": check_range(codec, "block", block, 1, MAX_BLOCK),
+    }
 
 
 def _finish(values: torch.Tensor, numel: int, shape: tuple[int, ...], dtype: torch.dtype):
@@ -71,6 +88,13 @@ class UniformCodec(Codec):
 
     def spec(self) -> dict:
         return {"name": self.name, "bits": self.bits, "block": self.block}
+
+    @classmethod
+    def read_params(cls, payload: Payload) -> dict[str, int]:
+        return _read_bits_block(payload, cls.name, "bits", 8)
+
+    def expected_params(self, numel: int) -> dict[str, int]:
+        return {"bits": self.bits, "block": self.block}
 
     def variance_factor(self, numel: int) -> float:
         return min(self.block, max(numel, 1)) / (2**self.bits - 1) ** 2
@@ -106,22 +130,24 @@ class UniformCodec(Codec):
         return Payload(header_for(self.codec_id, x, seed if self.needs_seed else 0), body)
 
     @classmethod
-    def decode_payload(cls, payload: Payload) -> torch.Tensor:
-        h, body = payload.header, memoryview(payload.body)
-        if len(body) < _BITS_BLOCK.size:
-            raise PayloadError("uniform: body too short for its parameters")
-        bits, _, block = _BITS_BLOCK.unpack_from(body, 0)
-        if not 1 <= bits <= 8 or block < 1 or not h.dtype.is_floating_point:
-            raise PayloadError(f"uniform: invalid parameters bits={bits} block={block}")
-        n, nb = h.numel, num_blocks(h.numel, block)
-        expect_length(body, _BITS_BLOCK.size + 4 * nb + packed_size(n, bits), "uniform")
+    def _codes_and_scales(cls, payload: Payload) -> tuple[np.ndarray, torch.Tensor, int, int]:
+        """Checked codes and scales of a uniform/dither body: (codes, scales, bits, block)."""
+        params = cls.read_params(payload)
+        bits, block = params["bits"], params["block"]
+        body, n = memoryview(payload.body), payload.header.numel
+        nb = num_blocks(n, block)
+        expect_length(body, _BITS_BLOCK.size + 4 * nb + packed_size(n, bits), cls.name)
         scales = read_scales(body, _BITS_BLOCK.size, nb)
-        codes = unpack_bits(body[_BITS_BLOCK.size + 4 * nb :], n, bits)
+        return unpack_bits(body[_BITS_BLOCK.size + 4 * nb :], n, bits), scales, bits, block
+
+    @classmethod
+    def decode_payload(cls, payload: Payload) -> torch.Tensor:
+        h = payload.header
+        codes, scales, bits, block = cls._codes_and_scales(payload)
         levels = 2**bits - 1
-        q = torch.zeros(nb * block, dtype=torch.float32)
-        q[:n] = torch.from_numpy(codes).to(torch.float32)
-        values = q.view(nb, block).mul_((2 * scales / levels)[:, None]).sub_(scales[:, None])
-        return _finish(values, n, h.shape, h.dtype)
+        values = torch.from_numpy(codes).to(torch.float32)
+        scale_blocks_(values, block, 2 * scales / levels, scales)
+        return _finish(values, h.numel, h.shape, h.dtype)
 
 
 @register
@@ -142,20 +168,17 @@ class DitheredUniformCodec(UniformCodec):
 
     @classmethod
     def decode_payload(cls, payload: Payload) -> torch.Tensor:
-        coarse = UniformCodec.decode_payload(payload)
-        h, body = payload.header, memoryview(payload.body)
-        bits, _, block = _BITS_BLOCK.unpack_from(body, 0)
-        n, nb = h.numel, num_blocks(h.numel, block)
-        scales = read_scales(body, _BITS_BLOCK.size, nb)
+        h, n = payload.header, payload.header.numel
+        codes, scales, bits, block = cls._codes_and_scales(payload)
         step = 2 * scales / (2**bits - 1)
+        coarse = torch.from_numpy(codes).to(torch.float32)
+        scale_blocks_(coarse, block, step, scales)
         # The encoder's dithers, in its order: k / 2^16 from the seeded generator.
         draws = np.asarray(private_generator(h.seed).random_raw((n + 3) // 4)).view(np.uint16)
-        u = torch.zeros(nb * block, dtype=torch.float32)
-        u[:n] = torch.from_numpy(draws[:n].astype(np.float32)) * 2.0**-16
+        u = torch.from_numpy(draws[:n].astype(np.float32)) * 2.0**-16
         # code - u + 1/2 (minus the encoder's 2^-17 offset) is unbiased for t.
-        correction = (0.5 - 2.0**-17 - u).view(nb, block).mul_(step[:, None])
-        flat = coarse.reshape(-1).to(torch.float32) + correction.reshape(-1)[:n]
-        return _finish(flat, n, h.shape, h.dtype)
+        correction = scale_blocks_(0.5 - 2.0**-17 - u, block, step)
+        return _finish(coarse + correction, n, h.shape, h.dtype)
 
 
 def _qsgd_width(levels: int) -> int:
@@ -181,6 +204,13 @@ class QSGDCodec(Codec):
 
     def spec(self) -> dict:
         return {"name": self.name, "levels": self.levels, "block": self.block}
+
+    @classmethod
+    def read_params(cls, payload: Payload) -> dict[str, int]:
+        return _read_bits_block(payload, cls.name, "levels", 127)
+
+    def expected_params(self, numel: int) -> dict[str, int]:
+        return {"levels": self.levels, "block": self.block}
 
     def variance_factor(self, numel: int) -> float:
         d = min(self.block, max(numel, 1))
@@ -219,20 +249,16 @@ class QSGDCodec(Codec):
     @classmethod
     def decode_payload(cls, payload: Payload) -> torch.Tensor:
         h, body = payload.header, memoryview(payload.body)
-        if len(body) < _BITS_BLOCK.size:
-            raise PayloadError("qsgd: body too short for its parameters")
-        levels, _, block = _BITS_BLOCK.unpack_from(body, 0)
-        if not 1 <= levels <= 127 or block < 1 or not h.dtype.is_floating_point:
-            raise PayloadError(f"qsgd: invalid parameters levels={levels} block={block}")
+        params = cls.read_params(payload)
+        levels, block = params["levels"], params["block"]
         n, nb, width = h.numel, num_blocks(h.numel, block), _qsgd_width(levels)
         expect_length(body, _BITS_BLOCK.size + 4 * nb + packed_size(n, width), "qsgd")
         norms = read_scales(body, _BITS_BLOCK.size, nb)
         codes = unpack_bits(body[_BITS_BLOCK.size + 4 * nb :], n, width)
         if n and int(codes.max()) > 2 * levels:
             raise PayloadError("qsgd: code beyond the level range")
-        q = torch.zeros(nb * block, dtype=torch.float32)
-        q[:n] = torch.from_numpy(codes.astype(np.float32)) - levels
-        values = q.view(nb, block).mul_((norms / levels)[:, None])
+        values = torch.from_numpy(codes.astype(np.float32)) - levels
+        scale_blocks_(values, block, norms / levels)
         return _finish(values, n, h.shape, h.dtype)
 
 
@@ -253,6 +279,19 @@ class SignCodec(Codec):
     def spec(self) -> dict:
         return {"name": self.name, "block": self.block}
 
+    @classmethod
+    def read_params(cls, payload: Payload) -> dict[str, int]:
+        body = memoryview(payload.body)
+        if len(body) < _BLOCK.size:
+            raise PayloadError("sign: body too short for its parameters")
+        if not payload.header.dtype.is_floating_point:
+            raise PayloadError(f"sign: payload declares a non-float dtype {payload.header.dtype}")
+        (block,) = _BLOCK.unpack_from(body, 0)
+        return {"block": check_range(cls.name, "block", block, 1, MAX_BLOCK)}
+
+    def expected_params(self, numel: int) -> dict[str, int]:
+        return {"block": self.block}
+
     def nominal_bits(self, numel: int) -> float:
         return 1.0 + 32.0 / min(self.block, max(numel, 1))
 
@@ -268,16 +307,11 @@ class SignCodec(Codec):
     @classmethod
     def decode_payload(cls, payload: Payload) -> torch.Tensor:
         h, body = payload.header, memoryview(payload.body)
-        if len(body) < _BLOCK.size:
-            raise PayloadError("sign: body too short for its parameters")
-        (block,) = _BLOCK.unpack_from(body, 0)
-        if block < 1 or not h.dtype.is_floating_point:
-            raise PayloadError(f"sign: invalid block={block}")
+        block = cls.read_params(payload)["block"]
         n, nb = h.numel, num_blocks(h.numel, block)
         expect_length(body, _BLOCK.size + 4 * nb + packed_size(n, 1), "sign")
         scales = read_scales(body, _BLOCK.size, nb)
         bits = unpack_bits(body[_BLOCK.size + 4 * nb :], n, 1)
-        signs = torch.ones(nb * block, dtype=torch.float32)
-        signs[:n] -= 2 * torch.from_numpy(bits).to(torch.float32)
-        values = signs.view(nb, block).mul_(scales[:, None])
-        return _finish(values, n, h.shape, h.dtype)
+        signs = 1 - 2 * torch.from_numpy(bits).to(torch.float32)
+        scale_blocks_(signs, block, scales)
+        return _finish(signs, n, h.shape, h.dtype)

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from fedcomp.codecs.base import Codec, header_for, register
-from fedcomp.codecs.blocks import check_finite, expect_length
+from fedcomp.codecs.blocks import check_finite, check_range, expect_length
 from fedcomp.codecs.packing import decode_varints, encode_varints
 from fedcomp.codecs.wire import Payload, PayloadError
 
@@ -82,6 +82,21 @@ class _Sparsifier(Codec):
         size = {"k": self.k} if self.k is not None else {"fraction": self.fraction}
         return {"name": self.name, **size}
 
+    def expected_params(self, numel: int) -> dict[str, int]:
+        return {"k": kept(numel, self.fraction, self.k)}
+
+    @classmethod
+    def _read_k(cls, payload: Payload, struct_: struct.Struct) -> tuple[int, ...]:
+        """The fixed fields of the body, with k bounded by the tensor size."""
+        h, body = payload.header, memoryview(payload.body)
+        if len(body) < struct_.size:
+            raise PayloadError(f"{cls.name}: body too short for its parameters")
+        if not h.dtype.is_floating_point:
+            raise PayloadError(f"{cls.name}: payload declares a non-float dtype {h.dtype}")
+        fields = struct_.unpack_from(body, 0)
+        check_range(cls.name, "k", fields[0], 1 if h.numel else 0, h.numel)
+        return fields
+
 
 @register
 class TopKCodec(_Sparsifier):
@@ -120,14 +135,18 @@ class TopKCodec(_Sparsifier):
         return Payload(header_for(self.codec_id, x), body)
 
     @classmethod
+    def read_params(cls, payload: Payload) -> dict[str, int]:
+        k, nvar = cls._read_k(payload, _TOPK)
+        # An index gap below 2^32 takes at most 5 LEB128 bytes, and no varint the
+        # decoder accepts takes more than 9: a longer stream is refused before reading.
+        check_range(cls.name, "varint bytes", nvar, k, 9 * k)
+        return {"k": k, "varint_bytes": nvar}
+
+    @classmethod
     def decode_payload(cls, payload: Payload) -> torch.Tensor:
         h, body = payload.header, memoryview(payload.body)
-        if len(body) < _TOPK.size or not h.dtype.is_floating_point:
-            raise PayloadError("topk: body too short for its parameters")
-        k, nvar = _TOPK.unpack_from(body, 0)
-        n = h.numel
-        if k > n or (n and k == 0) or nvar > len(body):
-            raise PayloadError(f"topk: k={k} invalid for {n} elements")
+        params = cls.read_params(payload)
+        k, nvar, n = params["k"], params["varint_bytes"], h.numel
         expect_length(body, _TOPK.size + nvar + 4 * k, "topk")
         gaps = decode_varints(body[_TOPK.size : _TOPK.size + nvar], k)
         idx = np.cumsum(gaps.astype(np.float64) + 1) - 1  # float64: no uint64 wrap-around
@@ -171,14 +190,14 @@ class RandKCodec(_Sparsifier):
         return Payload(header_for(self.codec_id, x, seed=seed), body)
 
     @classmethod
+    def read_params(cls, payload: Payload) -> dict[str, int]:
+        (k,) = cls._read_k(payload, _RANDK)
+        return {"k": k}
+
+    @classmethod
     def decode_payload(cls, payload: Payload) -> torch.Tensor:
         h, body = payload.header, memoryview(payload.body)
-        if len(body) < _RANDK.size or not h.dtype.is_floating_point:
-            raise PayloadError("randk: body too short for its parameters")
-        (k,) = _RANDK.unpack_from(body, 0)
-        n = h.numel
-        if k > n or (n and k == 0):
-            raise PayloadError(f"randk: k={k} invalid for {n} elements")
+        k, n = cls.read_params(payload)["k"], h.numel
         expect_length(body, _RANDK.size + 4 * k, "randk")
         values = _read_values(body, _RANDK.size, k)
         out = torch.zeros(n, dtype=torch.float32)

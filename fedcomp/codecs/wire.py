@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fedcomp.failures import Failure, Rejection
+
 MAGIC = b"FC"
 #: Largest tensor a payload may claim unless the caller says otherwise (2^28 elements,
 #: 1 GiB in float32). Sparse codecs decode a few bytes into a dense tensor of the claimed
@@ -52,8 +54,28 @@ DTYPE_CODES: dict[torch.dtype, int] = {
 CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 
-class PayloadError(ValueError):
+class PayloadError(Rejection):
     """A buffer that is not a valid fedcomp payload (truncated, malformed, unknown)."""
+
+    default_kind = Failure.MALFORMED
+
+
+class SpecMismatch(PayloadError):
+    """A well-formed payload whose codec or parameters are not the ones the server asked
+    for (the server compares every body parameter with the spec it sent that client)."""
+
+    default_kind = Failure.SPEC_MISMATCH
+
+
+def check_field(what: str, field: str, got: object, want: object) -> None:
+    """Raise :class:`SpecMismatch` naming the field, the value and the expected value."""
+    if got != want:
+        raise SpecMismatch(
+            f"{what}: {field} is {got!r}, the server asked for {want!r}",
+            field=field,
+            value=got,
+            expected=want,
+        )
 
 
 @dataclass(frozen=True)

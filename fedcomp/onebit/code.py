@@ -33,7 +33,13 @@ import numpy as np
 import torch
 
 from fedcomp.codecs.base import JOINT_ONEBIT_ID
-from fedcomp.codecs.wire import Payload, PayloadError, PayloadHeader, parse_payload
+from fedcomp.codecs.wire import (
+    Payload,
+    PayloadError,
+    PayloadHeader,
+    check_field,
+    parse_payload,
+)
 from fedcomp.onebit.bits import encode_bits
 from fedcomp.onebit.decode import JointDecode, Received, decode_joint
 from fedcomp.onebit.queries import CENTERS, REFINES, QuerySet, build_query_set, make_geometry
@@ -294,12 +300,11 @@ class OneBitCode:
         numel = math.prod(shape)
         parsed = payload if isinstance(payload, Payload) else parse_payload(payload, numel)
         h = parsed.header
-        if h.codec_id != ONEBIT_CODEC_ID:
-            raise PayloadError(f"expected a onebit payload, got codec id {h.codec_id}")
-        if tuple(h.shape) != shape:
-            raise PayloadError(f"onebit payload has shape {tuple(h.shape)}, expected {shape}")
-        if h.seed != seed & ((1 << 64) - 1):
-            raise PayloadError("onebit payload was drawn with another public seed")
+        check_field("onebit", "codec id", h.codec_id, ONEBIT_CODEC_ID)
+        check_field("onebit", "shape", tuple(h.shape), shape)
+        check_field("onebit", "public seed", h.seed, seed & ((1 << 64) - 1))
+        if not h.dtype.is_floating_point:  # the wrapper also compares it with the model's
+            raise PayloadError(f"onebit payload declares a non-float dtype {h.dtype}")
         body = memoryview(parsed.body)
         if len(body) < _BODY.size:
             raise PayloadError(f"truncated onebit payload: {len(body)} body bytes")
@@ -316,8 +321,7 @@ class OneBitCode:
             "public parameter digest": (digest, self.digest(taus, num_clients)),
         }
         for what, (got, want) in expected.items():
-            if got != want:
-                raise PayloadError(f"onebit payload {what} is {got}, expected {want}")
+            check_field("onebit", what, got, want)
         blocks = self.num_blocks(numel)
         size = -(-numel * self.bits // 8)
         if len(body) != _BODY.size + blocks + size:
