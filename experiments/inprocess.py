@@ -35,6 +35,8 @@ NODE_IDS = [
     99_999_991,
     11_235_813,
     27_182_818,
+    14_142_135,
+    17_320_508,
 ]
 
 
@@ -44,8 +46,9 @@ def set_task_identity() -> None:
     TaskIdentity.task_id = 0
 
 
-#: (partition id, reply, the instruction it answers) -> new reply, or None to drop it.
-Tamper = Callable[[int, Message, Message], Message | None]
+#: (partition id, reply, the instruction it answers) -> new reply, None to drop it, or a
+#: list of replies (a client that answers twice).
+Tamper = Callable[[int, Message, Message], Message | list[Message] | None]
 
 
 class InProcessGrid:
@@ -103,7 +106,7 @@ class InProcessGrid:
                 reply = self.tamper(self.partition_of(node_id), reply, msg)
                 if reply is None:
                     continue
-            replies.append(reply)
+            replies.extend(reply if isinstance(reply, list) else [reply])
         if self.order is not None:
             replies = self.order(replies)
         self.replies.extend(replies)

@@ -27,6 +27,7 @@ from fedcomp.codecs.residual import (
     apply_residual,
     state_checksum,
 )
+from fedcomp.failures import Failure, Rejection
 
 
 @dataclass
@@ -104,8 +105,20 @@ class MirrorStore:
             self.put(int(sid), Mirror(int(entry["version"]), arrays))
 
 
-class ResyncRequired(ValueError):
+class ResyncRequired(Rejection):
     """The reply cannot be decoded against the server's mirror; the client must resync."""
+
+    default_kind = Failure.RESYNC
+
+
+@dataclass
+class PendingMirror:
+    """The mirror an accepted reply moves a client to (stored by ``commit``)."""
+
+    stable_id: int
+    mirror: Mirror
+    #: A full-precision resync: it also answers a pending resync request.
+    resync: bool = False
 
 
 class ControlVariateServer:
@@ -134,19 +147,36 @@ class ControlVariateServer:
         checksum: str,
         sync: int,
     ) -> dict[str, np.ndarray]:
-        """The client's update from its decoded residuals (or its resync update).
+        """:meth:`prepare` then :meth:`commit`: the update, with the mirror moved."""
+        ghat, pending = self.prepare(
+            stable_id, decoded, version=version, checksum=checksum, sync=sync
+        )
+        self.commit(pending)
+        return ghat
+
+    def prepare(
+        self,
+        stable_id: int,
+        decoded: Mapping[str, np.ndarray],
+        *,
+        version: int,
+        checksum: str,
+        sync: int,
+    ) -> tuple[dict[str, np.ndarray], PendingMirror]:
+        """The client's update from its decoded residuals (or its resync update), and
+        the mirror it leads to, NOT yet stored.
 
         ``decoded`` holds only the tensors under the control variate (the policy's
         compressed tensors). ``sync`` says what the reply is (SYNC_NORMAL, SYNC_FULL,
-        SYNC_RESTART). On success the mirror moves to the version the client's pending
-        state has; on a mismatch, :class:`ResyncRequired` is raised and the client is
-        asked for a full-precision resync.
+        SYNC_RESTART). The wrapper commits the mirror only once the reply is accepted
+        (a reply rejected later, e.g. as an outlier, leaves the mirror where the
+        client's committed state is). On a mismatch, :class:`ResyncRequired` is raised
+        and the client is asked for a full-precision resync.
         """
+        ghat = {k: v.astype(np.float32, copy=False) for k, v in decoded.items()}
         if sync == SYNC_FULL:
             arrays = {k: apply_residual(None, v, 1.0) for k, v in decoded.items()}
-            self.store.put(stable_id, Mirror(1, arrays))
-            self.resync_requested.discard(stable_id)
-            return {k: v.astype(np.float32, copy=False) for k, v in decoded.items()}
+            return ghat, PendingMirror(stable_id, Mirror(1, arrays), resync=True)
         if sync == SYNC_RESTART:  # against h = 0: the client had no state
             if stable_id in self.resync_requested:
                 raise ResyncRequired("a full-precision resync was requested, got a restart")
@@ -154,16 +184,28 @@ class ControlVariateServer:
                 k: apply_residual(None, v, self.memory.alpha_for(v.size))
                 for k, v in decoded.items()
             }
-            self.store.put(stable_id, Mirror(1, arrays))
-            return {k: v.astype(np.float32, copy=False) for k, v in decoded.items()}
-        if sync != SYNC_NORMAL:
-            raise ResyncRequired(f"unknown sync mode {sync!r}")
+            return ghat, PendingMirror(stable_id, Mirror(1, arrays))
+        if sync != SYNC_NORMAL:  # the client's state is unknown: start both over
+            self.resync_requested.add(stable_id)
+            raise ResyncRequired(f"unknown sync mode {sync!r}: resync requested")
+        mirror = self._matching_mirror(stable_id, decoded, version, checksum)
+        ghat, updated = {}, {}
+        for name, r_hat in decoded.items():
+            h = mirror.arrays[name]
+            ghat[name] = (h + r_hat.astype(np.float32, copy=False)).astype(np.float32)
+            updated[name] = apply_residual(h, r_hat, self.memory.alpha_for(h.size))
+        return ghat, PendingMirror(stable_id, Mirror(mirror.version + 1, updated))
+
+    def _matching_mirror(
+        self, stable_id: int, decoded: Mapping[str, np.ndarray], version: int, checksum: str
+    ) -> Mirror:
+        """The mirror a normal reply was encoded against, or ResyncRequired."""
         mirror = self.store.get(stable_id)
         problem = None
         if mirror is None:
             problem = "the server has no control variate for this client"
         elif mirror.version != version:
-            problem = f"version {version} != server's {mirror.version}"
+            problem = f"version {version!r} != server's {mirror.version}"
         elif set(mirror.arrays) != set(decoded):
             problem = "tensor names differ from the server's control variate"
         elif state_checksum(mirror.arrays) != checksum:
@@ -172,13 +214,13 @@ class ControlVariateServer:
             self.resync_requested.add(stable_id)
             raise ResyncRequired(f"control variate mismatch ({problem}): resync requested")
         assert mirror is not None
-        ghat, updated = {}, {}
-        for name, r_hat in decoded.items():
-            h = mirror.arrays[name]
-            ghat[name] = (h + r_hat.astype(np.float32, copy=False)).astype(np.float32)
-            updated[name] = apply_residual(h, r_hat, self.memory.alpha_for(h.size))
-        self.store.put(stable_id, Mirror(mirror.version + 1, updated))
-        return ghat
+        return mirror
+
+    def commit(self, pending: PendingMirror) -> None:
+        """Store the mirror of an accepted reply."""
+        self.store.put(pending.stable_id, pending.mirror)
+        if pending.resync:
+            self.resync_requested.discard(pending.stable_id)
 
     def state_dict(self) -> dict[str, Any]:
         return {"mirrors": self.store.state_dict(), "resync": sorted(self.resync_requested)}

@@ -135,6 +135,11 @@ class AggregationSettings:
     #: round's median norm is scaled down to it (0 = off; joint codes are bounded by
     #: construction and skip it).
     norm_cap: float = 0.0
+    #: Hostile or broken updates: a reply whose decoded update has an L2 norm beyond
+    #: this multiple of the round's median norm is rejected outright (0 = off; needs
+    #: three replies or more). Far above any honest spread, it stops a client from
+    #: sending huge finite values; ``norm_cap`` handles the milder cases by clipping.
+    reject_factor: float = 1000.0
 
 
 @dataclass
@@ -389,6 +394,8 @@ def validate(settings: Settings) -> Settings:
         _fail("aggregation.weight_cap", a.weight_cap, "must be 0 (off) or a number >= 1")
     if a.norm_cap != 0 and not (math.isfinite(a.norm_cap) and a.norm_cap >= 1):
         _fail("aggregation.norm_cap", a.norm_cap, "must be 0 (off) or a number >= 1")
+    if a.reject_factor != 0 and not (math.isfinite(a.reject_factor) and a.reject_factor >= 1):
+        _fail("aggregation.reject_factor", a.reject_factor, "must be 0 (off) or a number >= 1")
     rates = dataclasses.asdict(s.faults)
     for key, rate in rates.items():
         if not (isinstance(rate, int | float) and 0.0 <= rate <= 1.0):

@@ -16,10 +16,11 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord
 
-from fedcomp.codecs import PayloadError, TensorPolicy
+from fedcomp.codecs import PayloadError, TensorPolicy, parse_payload
+from fedcomp.failures import Failure
 from fedcomp.onebit import OneBitCode
 from fedcomp.onebit.federated import JointServerState, joint_seed
-from strategies.validation import ReplyError, decode_payloads
+from strategies.validation import ReplyError, _check_header, decode_payloads
 
 
 @dataclass
@@ -77,26 +78,32 @@ def split_reply(
     if list(payloads.keys()) != list(global_arrays):
         raise ReplyError("payload tensor names differ from the global model's")
     if stable_id not in plan.index:
-        raise ReplyError(f"client {stable_id} was not selected for this joint round")
+        raise ReplyError(
+            f"client {stable_id} was not selected for this joint round", Failure.NOT_ASKED
+        )
     joint = {}
     for name in plan.names:
         buf = payloads[name].data
+        reference = np.asarray(global_arrays[name])
         try:
+            _check_header(name, parse_payload(buf, max_numel=reference.size).header, reference)
             code.check(
                 buf,
                 client_index=plan.index[stable_id],
                 num_clients=plan.clients,
                 seed=joint_seed(run_seed, server_round, name),
                 tau=plan.taus[name],
-                shape=np.asarray(global_arrays[name]).shape,
+                shape=reference.shape,
             )
-        except (PayloadError, ValueError) as exc:
-            raise ReplyError(f"{name}: {exc}") from None
+        except PayloadError as exc:
+            raise ReplyError(f"{name}: {exc}", exc.kind) from None
         joint[name] = bytes(buf)
     rest = [n for n in global_arrays if n not in joint]
     deltas, codecs = decode_payloads(
         ArrayRecord({n: payloads[n] for n in rest}),
         {n: global_arrays[n] for n in rest},
+        codec=None,  # the policy sends every tensor outside the joint plan raw
+        policy=None,
         run_seed=run_seed,
         server_round=server_round,
         stable_id=stable_id,

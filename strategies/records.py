@@ -138,6 +138,9 @@ def round_record(
         "resyncs": counts.get("resyncs", 0),
         "nonfinite": counts.get("nonfinite", 0),
         "faults": dict(counts.get("faults", {})),
+        # Rejected replies per failure kind (fedcomp.failures.Failure).
+        "rejected": dict(counts.get("rejected", {})),
+        **({"aggregate_nonfinite": 1} if counts.get("aggregate_nonfinite") else {}),
         "capped": counts.get("capped", 0),
         "clipped": counts.get("clipped", 0),
         **({"diagnostics": counts["diagnostics"]} if "diagnostics" in counts else {}),

@@ -165,6 +165,7 @@ def run_server(
         update_probe=_update_probe(settings.diagnostics_dir),
         weight_cap=settings.aggregation.weight_cap,
         norm_cap=settings.aggregation.norm_cap,
+        reject_factor=settings.aggregation.reject_factor,
     )
     with torch.no_grad():
         initial = ArrayRecord(model.state_dict())

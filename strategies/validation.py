@@ -1,8 +1,10 @@
 """Validating and decoding one client's reply: every check that protects the server.
 
-A reply that fails any of them becomes a logged failure for that client (``ReplyError``
-or ``PayloadError``); the server aggregates the others. Sizes and shapes claimed by a
-payload are compared with the global model BEFORE anything is decoded or allocated.
+A reply that fails any of them becomes a logged failure for that client, of one
+:class:`fedcomp.failures.Failure` kind; the server aggregates the others. Sizes,
+shapes, codec ids and every body parameter a payload claims are compared with the
+global model and with the codec spec the server sent BEFORE anything is decoded or
+allocated (docs/reliability.md has the field-by-field table).
 """
 
 from __future__ import annotations
@@ -14,9 +16,16 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
-from fedcomp.codecs import codec_class_by_id, decode_bytes, parse_payload
+from fedcomp.codecs import Codec, TensorPolicy, parse_payload
 from fedcomp.codecs.dense import RawCodec
-from fedcomp.codecs.wire import DTYPE_CODES
+from fedcomp.codecs.wire import (
+    DTYPE_CODES,
+    Payload,
+    PayloadHeader,
+    SpecMismatch,
+    check_field,
+)
+from fedcomp.failures import Failure, Rejection
 from fedcomp.keys import (
     KEY_NUM_EXAMPLES,
     KEY_PROTOCOL,
@@ -28,9 +37,13 @@ from fedcomp.keys import (
 )
 from fedcomp.rng import derive_seed
 
+_RAW = RawCodec()
 
-class ReplyError(ValueError):
+
+class ReplyError(Rejection):
     """A reply that fails validation; it becomes a logged failure for that client."""
+
+    default_kind = Failure.BAD_LAYOUT
 
 
 def _torch_dtype(array: np.ndarray) -> torch.dtype:
@@ -45,70 +58,114 @@ def check_reply(
     Raises
     ------
     ReplyError
-        Naming the first problem found.
+        Naming the first problem found, with its failure kind.
     """
     header = content.config_records.get(RECORD_HEADER)
     if header is None:
         raise ReplyError(
-            f"no '{RECORD_HEADER}' record: add clients.mod.CompressionMod to the ClientApp"
+            f"no '{RECORD_HEADER}' record: add clients.mod.CompressionMod to the ClientApp",
+            Failure.MISSING_MOD,
         )
-    if int(header.get(KEY_PROTOCOL, -1)) != PROTOCOL_VERSION:
-        raise ReplyError(f"protocol version {header.get(KEY_PROTOCOL)!r} != {PROTOCOL_VERSION}")
+    if header.get(KEY_PROTOCOL) != PROTOCOL_VERSION:
+        raise ReplyError(
+            f"protocol version {header.get(KEY_PROTOCOL)!r} != {PROTOCOL_VERSION}",
+            Failure.PROTOCOL,
+        )
     if header.get(KEY_STABLE_ID) != stable_id:
         raise ReplyError(
-            f"header claims stable id {header.get(KEY_STABLE_ID)!r}, node is {stable_id}"
+            f"header claims stable id {header.get(KEY_STABLE_ID)!r}, node is {stable_id}",
+            Failure.WRONG_CLIENT,
         )
     if header.get(KEY_ROUND) != server_round:
-        raise ReplyError(f"header is for round {header.get(KEY_ROUND)!r}, not {server_round}")
+        raise ReplyError(
+            f"header is for round {header.get(KEY_ROUND)!r}, not {server_round}",
+            Failure.WRONG_ROUND,
+        )
     metrics = content.metric_records.get("metrics")
     if metrics is None or KEY_NUM_EXAMPLES not in metrics:
-        raise ReplyError(f"metrics lack '{KEY_NUM_EXAMPLES}'")
+        raise ReplyError(f"metrics lack '{KEY_NUM_EXAMPLES}'", Failure.BAD_WEIGHT)
     weight = metrics[KEY_NUM_EXAMPLES]
     if isinstance(weight, list) or not math.isfinite(weight) or weight <= 0:
-        raise ReplyError(f"invalid {KEY_NUM_EXAMPLES}={weight!r}")
+        raise ReplyError(f"invalid {KEY_NUM_EXAMPLES}={weight!r}", Failure.BAD_WEIGHT)
     payloads = content.array_records.get(RECORD_PAYLOAD)
     if payloads is None:
         raise ReplyError(f"no '{RECORD_PAYLOAD}' record")
     return header, metrics, float(weight), payloads
 
 
+def allowed_codecs(
+    reference: np.ndarray, codec: Codec | None, policy: TensorPolicy | None
+) -> tuple[Codec, ...]:
+    """The codecs a client may have used for one tensor, given what the server sent.
+
+    With a policy sent, exactly the one it picks (raw, or ``codec``); without one the
+    mod applies its own threshold, so raw (exact, never larger than the tensor) or
+    ``codec``. ``codec`` None: only raw is expected (the joint path's other tensors).
+    """
+    floating = reference.dtype.kind == "f"
+    if codec is None or (policy is not None and policy.travels_raw(floating, reference.size)):
+        return (_RAW,)
+    return (codec,) if policy is not None else (_RAW, codec)
+
+
+def _check_header(name: str, header: PayloadHeader, reference: np.ndarray) -> None:
+    """The claimed shape and dtype against the global tensor, before any decoding."""
+    if header.shape != reference.shape:
+        raise ReplyError(f"{name}: shape {header.shape} != global {reference.shape}")
+    if DTYPE_CODES[header.dtype] != DTYPE_CODES[_torch_dtype(reference)]:
+        raise ReplyError(f"{name}: dtype {header.dtype} != global {reference.dtype}")
+
+
+def _pick_codec(name: str, payload: Payload, allowed: tuple[Codec, ...]) -> Codec:
+    """The allowed codec the payload claims to be, checked against its spec."""
+    for codec in allowed:
+        if payload.header.codec_id == codec.codec_id:
+            codec.check_payload(payload)
+            return codec
+    raise SpecMismatch(
+        f"{name}: codec id {payload.header.codec_id}, the server asked for "
+        + " or ".join(f"{c.name} (id {c.codec_id})" for c in allowed),
+        field="codec id",
+        value=payload.header.codec_id,
+        expected=[c.codec_id for c in allowed],
+    )
+
+
 def decode_payloads(
     payloads: ArrayRecord,
     global_arrays: Mapping[str, np.ndarray],
     *,
+    codec: Codec | None,
+    policy: TensorPolicy | None,
     run_seed: int,
     server_round: int,
     stable_id: int,
 ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """Decode every tensor's payload after checking it against the global model.
+    """Decode every tensor's payload after checking it against the global model and
+    against the codec spec the server sent (``codec``: the stateless codec the client
+    must use for compressed tensors; see :func:`allowed_codecs`).
 
+    Every field a decoder reads is checked before it allocates anything, so decoding
+    one reply costs a small multiple of the model's size whatever the payload claims.
     Returns the decoded updates and, per tensor, the name of the codec it used.
     """
     if list(payloads.keys()) != list(global_arrays):
         raise ReplyError("payload tensor names differ from the global model's")
     deltas, codecs = {}, {}
     for name, reference in global_arrays.items():
-        buf = payloads[name].data
-        header = parse_payload(buf, max_numel=reference.size).header
-        # Check the claimed shape and dtype BEFORE decoding allocates anything.
-        if header.shape != reference.shape:
-            raise ReplyError(f"{name}: shape {header.shape} != global {reference.shape}")
-        if DTYPE_CODES[header.dtype] != DTYPE_CODES[_torch_dtype(reference)]:
-            raise ReplyError(f"{name}: dtype {header.dtype} != global {reference.dtype}")
-        codec_cls = codec_class_by_id(header.codec_id)
-        if codec_cls is None:
-            raise ReplyError(f"{name}: unknown codec id {header.codec_id}")
+        payload = parse_payload(payloads[name].data, max_numel=reference.size)
+        _check_header(name, payload.header, reference)
+        used = _pick_codec(name, payload, allowed_codecs(reference, codec, policy))
         # Codecs that regenerate public draws carry the derived seed: it must be the
         # one the server derives itself, or decoding would use other draws.
-        needs = codec_cls.needs_seed
+        needs = used.needs_seed
         expected_seed = derive_seed(run_seed, server_round, stable_id, name) if needs else 0
-        if header.seed != expected_seed:
-            raise ReplyError(f"{name}: seed in header does not match the server's")
-        delta = decode_bytes(buf, max_numel=reference.size).numpy()
+        check_field(f"{name} ({used.name})", "seed", payload.header.seed, expected_seed)
+        delta = type(used).decode_payload(payload).numpy()
         if delta.dtype.kind == "f" and not np.isfinite(delta).all():
-            raise ReplyError(f"{name}: non-finite values in the update")
+            raise ReplyError(f"{name}: non-finite values in the update", Failure.NONFINITE)
         deltas[name] = delta
-        codecs[name] = codec_cls.name
+        codecs[name] = used.name
     return deltas, codecs
 
 

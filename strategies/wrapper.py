@@ -23,6 +23,7 @@ import json
 import logging
 import re
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,13 +53,15 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from fedcomp.aggregate import weighted_mean
 from fedcomp.codecs import (
-    PayloadError,
+    Codec,
+    Memory,
     ResidualMemory,
     TensorPolicy,
     make_codec_from_spec,
 )
 from fedcomp.codecs.residual import SYNC_FULL, SYNC_RESTART
-from fedcomp.controlvariates import ControlVariateServer, MirrorStore, ResyncRequired
+from fedcomp.controlvariates import ControlVariateServer, MirrorStore, PendingMirror
+from fedcomp.failures import Failure, failure_of
 from fedcomp.keys import (
     FAULT_REASON_PREFIX,
     KEY_ACK_ROUND,
@@ -111,6 +114,11 @@ class _Decoded:
     message: Message
     #: Joint codes: the checked one-bit payloads, decoded together at hand-over.
     joint: dict[str, bytes] = field(default_factory=dict)
+    #: Residual memory: the mirror this reply moves the client to, stored only once
+    #: the reply is accepted (after the outlier check).
+    pending: PendingMirror | None = None
+    #: Residual memory: the reply's sync mode.
+    sync: int = 0
 
 
 @dataclass
@@ -165,6 +173,10 @@ class CompressedStrategy(Strategy):
         Scale any decoded update whose L2 norm exceeds this multiple of the round's
         median norm down to it (0: off). Clipping, not rejection: a residual mirror has
         already moved with the reply, and the client's state must stay in step.
+    reject_factor : float
+        Reject any reply whose decoded update has an L2 norm beyond this multiple of
+        the round's median norm (0: off; needs three replies). A guard against huge
+        finite values from a broken or hostile client, far above honest spreads.
     update_probe : callable, optional
         Diagnostics: ``probe(round, global_arrays, new_arrays, stable_ids)`` returns
         numbers recorded as the round's ``diagnostics`` (e.g. the aggregate's error
@@ -190,6 +202,7 @@ class CompressedStrategy(Strategy):
         update_probe: Callable[..., Mapping[str, float]] | None = None,
         weight_cap: float = 0.0,
         norm_cap: float = 0.0,
+        reject_factor: float = 1000.0,
     ) -> None:
         if not isinstance(strategy, Strategy):
             raise TypeError(f"strategy must be a Flower Strategy, found {type(strategy)}")
@@ -260,6 +273,17 @@ class CompressedStrategy(Strategy):
         if norm_cap != 0 and not norm_cap >= 1:
             raise ValueError(f"norm_cap={norm_cap!r}: use 0 (off) or a number >= 1")
         self.norm_cap = float(norm_cap)
+        if reject_factor != 0 and not reject_factor >= 1:
+            raise ValueError(f"reject_factor={reject_factor!r}: use 0 (off) or a number >= 1")
+        self.reject_factor = float(reject_factor)
+        #: The stateless codec clients use for compressed tensors (what every payload
+        #: is checked against); None for a joint code, whose payloads check themselves.
+        self.wire_codec: Codec | None = None
+        if not self.joint:
+            memory = isinstance(self.codec, Memory)
+            self.wire_codec = self.codec.inner if memory else self.codec
+        #: The policy clients apply, when the server sends one (else the mod's own).
+        self.sent_policy = policy
 
         self.ids = StableIds()
         self.rounds: list[dict[str, Any]] = []
@@ -404,7 +428,9 @@ class CompressedStrategy(Strategy):
         node_id = msg.metadata.src_node_id
         sid = self.ids.stable_of(node_id)
         if sid is None or sid not in state.sent:
-            raise ReplyError(f"reply from node {node_id}, which was not asked this round")
+            raise ReplyError(
+                f"reply from node {node_id}, which was not asked this round", Failure.NOT_ASKED
+            )
         header, metrics, weight, payloads = check_reply(msg.content, sid, state.number)
         if state.joint is not None:
             deltas, joint, codecs = split_reply(
@@ -418,28 +444,112 @@ class CompressedStrategy(Strategy):
             )
             _note_codecs(state, codecs)
             return _Decoded(sid, deltas, weight, metrics, msg, joint=joint)
+        sync = _int_field(header, KEY_RESYNC, 0) if self.cv is not None else 0
         deltas, codecs = decode_payloads(
             payloads,
             state.global_arrays,
+            # A full-precision resync sends the covered tensors in fp32.
+            codec=_FP32 if sync == SYNC_FULL else self.wire_codec,
+            policy=self.sent_policy,
             run_seed=self.run_seed,
             server_round=state.number,
             stable_id=sid,
         )
         _note_codecs(state, codecs)
-        if self.cv is not None:  # last: nothing may fail after the mirror moved
-            sync = int(header.get(KEY_RESYNC, 0))
-            ghat = self.cv.reconstruct(
+        item = _Decoded(sid, deltas, weight, metrics, msg, sync=sync)
+        if self.cv is not None:  # the mirror moves only when the reply is accepted
+            ghat, item.pending = self.cv.prepare(
                 sid,
                 {name: deltas[name] for name in compressed_names(codecs)},
-                version=int(header.get(KEY_CV_VERSION, -1)),
+                version=_int_field(header, KEY_CV_VERSION, -1),
                 checksum=str(header.get(KEY_CV_CHECKSUM, "")),
                 sync=sync,
             )
             deltas.update(ghat)
-            counter = {SYNC_FULL: "resyncs", SYNC_RESTART: "restarts"}.get(sync)
+        return item
+
+    def _reject(self, state: _RoundState, sid: int | None, exc: Exception) -> None:
+        """Count and log one rejected reply under its failure kind."""
+        kind = failure_of(exc)
+        rejected = state.record.setdefault("rejected", {})
+        rejected[str(kind)] = rejected.get(str(kind), 0) + 1
+        if kind is Failure.RESYNC:
+            state.record["resync_requests"] = state.record.get("resync_requests", 0) + 1
+            log.warning("round %d: client %s: %s", state.number, sid, exc)
+            return
+        faults = state.record.setdefault("faults", {})
+        faults["rejected_reply"] = faults.get("rejected_reply", 0) + 1
+        if kind is Failure.UNEXPECTED:  # a decoder bug, not the client's fault alone
+            log.error(
+                "round %d: reply of client %s could not be decoded (%s: %s)",
+                state.number,
+                sid,
+                type(exc).__name__,
+                exc,
+                exc_info=exc,
+            )
+        else:
+            log.warning(
+                "round %d: rejected reply of client %s [%s]: %s", state.number, sid, kind, exc
+            )
+
+    def _count_error_reply(self, state: _RoundState, sid: int | None, msg: Message) -> None:
+        injected = re.search(FAULT_REASON_PREFIX + r"(\w+)", str(msg.error.reason))
+        kind = injected.group(1) if injected else "error_reply"
+        faults = state.record.setdefault("faults", {})
+        faults[kind] = faults.get(kind, 0) + 1
+        log.warning(
+            "round %d: client %s replied with an error: %s",
+            state.number,
+            sid,
+            _short(msg.error.reason),
+        )
+
+    def _decode_all(self, replies: list[Message], state: _RoundState) -> list[_Decoded]:
+        """Validate and decode every reply; a failure of any kind is that client's only.
+
+        Nothing a reply holds can stop the round: every exception a check or a decoder
+        raises is counted under its failure kind (an unexpected one as a bug, with its
+        traceback) and the reply is dropped. A client that replied more than once has
+        all its replies dropped: keeping one would depend on the order of arrival.
+        """
+        repeats = Counter(self.ids.stable_of(m.metadata.src_node_id) for m in replies)
+        decoded: list[_Decoded] = []
+        for msg in replies:
+            sid = self.ids.stable_of(msg.metadata.src_node_id)
+            row = state.per_client.setdefault(sid, empty_client_row(sid)) if sid is not None else {}
+            row["uplink_wire_bytes"] = row.get("uplink_wire_bytes", 0) + wire_bytes(msg)
+            if msg.has_error():
+                state.record["failures"] = state.record.get("failures", 0) + 1
+                self._count_error_reply(state, sid, msg)
+                continue
+            row["uplink_record_bytes"] = row.get("uplink_record_bytes", 0) + record_bytes(
+                msg.content
+            )
+            try:
+                if sid is not None and repeats[sid] > 1:
+                    raise ReplyError(
+                        f"{repeats[sid]} replies from this client in one round; all dropped",
+                        Failure.DUPLICATE,
+                    )
+                decoded.append(self._decode_reply(msg, state))
+            except Exception as exc:  # every failure is this client's only (docstring)
+                state.record["failures"] = state.record.get("failures", 0) + 1
+                self._reject(state, sid, exc)
+        decoded.sort(key=lambda d: d.stable_id)  # reply order never matters
+        return decoded
+
+    def _accept(self, decoded: list[_Decoded], state: _RoundState) -> None:
+        """Account the accepted replies, move their mirrors, and acknowledge them."""
+        for item in decoded:
+            row = state.per_client[item.stable_id]
+            account_reply(row, item.message.content[RECORD_PAYLOAD], item.metrics, item.weight)
+            if item.pending is not None:
+                self.cv.commit(item.pending)
+            counter = {SYNC_FULL: "resyncs", SYNC_RESTART: "restarts"}.get(item.sync)
             if counter is not None:
                 state.record[counter] = state.record.get(counter, 0) + 1
-        return _Decoded(sid, deltas, weight, metrics, msg)
+            self.accepted_round[item.stable_id] = state.number
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -449,53 +559,23 @@ class CompressedStrategy(Strategy):
         state = self._state
         if state is None or state.number != server_round:
             raise RuntimeError("aggregate_train called without configure_train for this round")
-        replies = list(replies)
         t0 = time.perf_counter()
-        decoded: list[_Decoded] = []
-        failures = nonfinite = 0
-        for msg in replies:
-            sid = self.ids.stable_of(msg.metadata.src_node_id)
-            row = state.per_client.setdefault(sid, empty_client_row(sid)) if sid is not None else {}
-            row["uplink_wire_bytes"] = wire_bytes(msg)
-            if msg.has_error():
-                failures += 1
-                injected = re.search(FAULT_REASON_PREFIX + r"(\w+)", str(msg.error.reason))
-                kind = injected.group(1) if injected else "error_reply"
-                faults = state.record.setdefault("faults", {})
-                faults[kind] = faults.get(kind, 0) + 1
-                log.warning(
-                    "round %d: client %s replied with an error: %s",
-                    server_round,
-                    sid,
-                    _short(msg.error.reason),
-                )
-                continue
-            row["uplink_record_bytes"] = record_bytes(msg.content)
-            try:
-                item = self._decode_reply(msg, state)
-            except ResyncRequired as exc:
-                failures += 1
-                state.record["resync_requests"] = state.record.get("resync_requests", 0) + 1
-                log.warning("round %d: client %s: %s", server_round, sid, exc)
-                continue
-            except (ReplyError, PayloadError, ValueError, KeyError, TypeError) as exc:
-                failures += 1
-                faults = state.record.setdefault("faults", {})
-                faults["rejected_reply"] = faults.get("rejected_reply", 0) + 1
-                nonfinite += "non-finite" in str(exc)
-                log.warning("round %d: rejected reply of client %s: %s", server_round, sid, exc)
-                continue
-            account_reply(row, item.message.content[RECORD_PAYLOAD], item.metrics, item.weight)
-            decoded.append(item)
-            self.accepted_round[item.stable_id] = server_round
+        decoded = self._decode_all(list(replies), state)
+        decoded = self._reject_outliers(decoded, state)
+        self._accept(decoded, state)
         decode_s = time.perf_counter() - t0
 
-        decoded.sort(key=lambda d: d.stable_id)  # reply order never matters
         state.record["capped"] = self._cap_weights(decoded)
         state.record["clipped"] = self._clip_norms(decoded)
         t1 = time.perf_counter()
         arrays, metrics = self._hand_over(server_round, decoded, state)
         aggregate_s = time.perf_counter() - t1
+        if arrays is not None and not _all_finite(arrays):
+            log.error(
+                "round %d: the aggregate is not finite; the global model is kept", server_round
+            )
+            state.record["aggregate_nonfinite"] = 1
+            arrays, metrics = None, None
         if self.update_probe is not None and arrays is not None:
             new_arrays = {k: np.asarray(v.numpy()) for k, v in arrays.items()}
             state.record["diagnostics"] = dict(
@@ -508,12 +588,32 @@ class CompressedStrategy(Strategy):
             )
         state.record.update(
             replied=len(decoded),
-            failures=failures,
-            nonfinite=nonfinite,
+            failures=state.record.get("failures", 0),
+            nonfinite=state.record.get("rejected", {}).get(Failure.NONFINITE, 0),
             decode_s=decode_s,
             aggregate_s=aggregate_s,
         )
         return arrays, metrics
+
+    def _reject_outliers(self, decoded: list[_Decoded], state: _RoundState) -> list[_Decoded]:
+        """Drop replies whose update norm is beyond ``reject_factor`` x the median."""
+        if self.reject_factor <= 0 or len(decoded) < 3:
+            return decoded
+        norms = [_update_norm(d) for d in decoded]
+        bound = self.reject_factor * float(np.median(norms))
+        kept = []
+        for item, norm in zip(decoded, norms, strict=True):
+            if norm > bound:
+                state.record["failures"] = state.record.get("failures", 0) + 1
+                exc = ReplyError(
+                    f"update norm {norm:.3g} is beyond {self.reject_factor:g} x the round's "
+                    f"median ({bound:.3g})",
+                    Failure.OUTLIER,
+                )
+                self._reject(state, item.stable_id, exc)
+            else:
+                kept.append(item)
+        return kept
 
     def _cap_weights(self, decoded: list[_Decoded]) -> int:
         """Cap num-examples at ``weight_cap`` x the round's median; return how many."""
@@ -534,18 +634,7 @@ class CompressedStrategy(Strategy):
         Needs three replies or more (a median of two is no robust scale)."""
         if self.norm_cap <= 0 or len(decoded) < 3 or self.joint:
             return 0
-        norms = [
-            float(
-                np.sqrt(
-                    sum(
-                        np.sum(np.square(v, dtype=np.float64))
-                        for v in d.deltas.values()
-                        if v.dtype.kind == "f"
-                    )
-                )
-            )
-            for d in decoded
-        ]
+        norms = [_update_norm(d) for d in decoded]
         cap = self.norm_cap * float(np.median(norms))
         clipped = 0
         for item, norm in zip(decoded, norms, strict=True):
@@ -732,6 +821,39 @@ class CompressedStrategy(Strategy):
         log.info(log_line(record, self._num_rounds))
         if self.on_round is not None:
             self.on_round(record)
+
+
+_FP32 = make_codec_from_spec({"name": "fp32"})
+
+
+def _int_field(header: ConfigRecord, key: str, default: int) -> int:
+    """An integer header field; anything else is a malformed reply, not a crash."""
+    value = header.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ReplyError(f"header field {key}={value!r} is not an integer", Failure.MALFORMED)
+    return value
+
+
+def _update_norm(item: _Decoded) -> float:
+    """L2 norm of a decoded update's floating-point tensors (float64 sums)."""
+    return float(
+        np.sqrt(
+            sum(
+                np.sum(np.square(v, dtype=np.float64))
+                for v in item.deltas.values()
+                if v.dtype.kind == "f"
+            )
+        )
+    )
+
+
+def _all_finite(arrays: ArrayRecord) -> bool:
+    """True when every floating-point array of the record is finite."""
+    for value in arrays.values():
+        array = np.asarray(value.numpy())
+        if array.dtype.kind == "f" and not np.isfinite(array).all():
+            return False
+    return True
 
 
 def _note_codecs(state: _RoundState, codecs: Mapping[str, str]) -> None:

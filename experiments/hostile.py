@@ -1,0 +1,228 @@
+"""Hostile clients for the reliability tests and benchmark: reply tamperers that act
+as a client sending bombs, lies and duplicates, and one in-process round driver.
+
+Each behaviour is a tamper function of :class:`experiments.inprocess.InProcessGrid`
+(partition id, reply, instruction) -> reply(s). ``run_round`` drives real clients and
+the real wrapper through ``CompressedStrategy.start`` and measures the server's peak
+memory while it aggregates the last round (tests/test_hostile_clients.py,
+experiments/bench_reliability.py).
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+
+from clients.client_app import make_client_app
+from experiments.inprocess import InProcessGrid, initial_arrays, set_task_identity
+from experiments.memory import address_space_cap, peak_rss, reset_peak_rss
+from fedcomp.failures import Failure
+from fedcomp.keys import (
+    KEY_CV_VERSION,
+    KEY_RESYNC,
+    KEY_ROUND,
+    KEY_STABLE_ID,
+    RECORD_HEADER,
+    RECORD_PAYLOAD,
+)
+from fedcomp.settings import settings_from_dict
+from strategies.inner import make_inner_strategy
+from strategies.server_app import client_task
+from strategies.wrapper import CompressedStrategy
+
+HONEST, HOSTILE = list(range(10)), [10, 11, 12]
+N = len(HONEST) + len(HOSTILE)
+UNIFORM = {"name": "uniform", "bits": 8, "block": 256}
+
+
+def _replace(reply: Message, instruction: Message, **records) -> Message:
+    content = RecordDict(dict(reply.content.items()))
+    for key, value in records.items():
+        content[key] = value
+    return Message(content, reply_to=instruction)
+
+
+def _map_payloads(reply: Message, instruction: Message, change) -> Message:
+    payloads = reply.content.array_records[RECORD_PAYLOAD]
+    changed = {}
+    for name in payloads.keys():
+        buf = bytearray(payloads[name].data)
+        change(name, buf)
+        changed[name] = _raw_array(bytes(buf))
+    return _replace(reply, instruction, **{RECORD_PAYLOAD: ArrayRecord(changed)})
+
+
+def _header(reply: Message, instruction: Message, **fields) -> Message:
+    header = ConfigRecord(dict(reply.content.config_records[RECORD_HEADER]))
+    for key, value in fields.items():
+        header[key] = value
+    return _replace(reply, instruction, **{RECORD_HEADER: header})
+
+
+def _raw_array(buf: bytes) -> Array:
+    """A payload as the mod sends it: raw uint8 bytes, no np.save header."""
+    return Array(dtype="uint8", shape=(len(buf),), stype="raw", data=buf)
+
+
+def _body_offset(buf: bytearray) -> int:
+    return 16 + 4 * buf[5]  # fixed header, then one uint32 per dimension
+
+
+def block_bomb(pid, reply, instruction):
+    """(a) The block field of every quantized payload set to 2^31 - 1."""
+
+    def change(name, buf):
+        if buf[3] == 4:  # uniform: u8 bits, u8 0, u32 block
+            struct.pack_into("<I", buf, _body_offset(buf) + 2, 2**31 - 1)
+
+    return _map_payloads(reply, instruction, change)
+
+
+def max_everything(pid, reply, instruction):
+    """(b) A valid fixed header whose every dimension and body parameter is at the
+    largest value its field can hold."""
+
+    def change(name, buf):
+        body = _body_offset(buf)
+        for dim in range(buf[5]):
+            struct.pack_into("<I", buf, 16 + 4 * dim, 2**32 - 1)
+        if buf[3] == 4:
+            struct.pack_into("<BBI", buf, body, 255, 255, 2**32 - 1)
+
+    return _map_payloads(reply, instruction, change)
+
+
+def huge_values(pid, reply, instruction):
+    """(c) A well-formed payload of the asked codec whose scales make it decode to
+    finite values near 1e37."""
+
+    def change(name, buf):
+        if buf[3] == 4:
+            body = _body_offset(buf)
+            numel = int(np.prod(struct.unpack_from(f"<{buf[5]}I", buf, 16)))
+            blocks = -(-numel // 256)
+            struct.pack_into(f"<{blocks}f", buf, body + 6, *([1e37] * blocks))
+
+    return _map_payloads(reply, instruction, change)
+
+
+def wrong_round(pid, reply, instruction):
+    """(d) A reply claiming another round."""
+    header = reply.content.config_records[RECORD_HEADER]
+    return _header(reply, instruction, **{KEY_ROUND: int(header[KEY_ROUND]) - 1})
+
+
+def other_client(pid, reply, instruction):
+    """(d) A reply claiming an honest client's stable id."""
+    return _header(reply, instruction, **{KEY_STABLE_ID: HONEST[pid % len(HONEST)]})
+
+
+def twice(pid, reply, instruction):
+    """(e) The same reply sent twice."""
+    return [reply, reply]
+
+
+SCENARIOS = [
+    (block_bomb, Failure.SPEC_MISMATCH, 1),
+    (max_everything, Failure.MALFORMED, 1),
+    (huge_values, Failure.OUTLIER, 1),
+    (wrong_round, Failure.WRONG_ROUND, 1),
+    (other_client, Failure.WRONG_CLIENT, 1),
+    (twice, Failure.DUPLICATE, 2),
+]
+
+
+def _hostile(behaviour):
+    def tamper(pid, reply, instruction):
+        hostile = pid in HOSTILE and instruction.metadata.message_type == MessageType.TRAIN
+        if not hostile or reply.has_error():
+            return reply
+        return None if behaviour is None else behaviour(pid, reply, instruction)
+
+    return tamper
+
+
+def run_round(codec, behaviour, *, handoff="per_client", rounds=1, on_grid=None):
+    """``rounds`` rounds through CompressedStrategy.start; the hostile clients act in
+    the last one (and are honest before). Returns the strategy, the result and the
+    server's peak memory while aggregating that round."""
+    set_task_identity()  # module-scoped fixtures run before conftest's autouse one
+    settings = settings_from_dict(
+        {"num_clients": N, "fraction_evaluate": 0.0, "codec": codec, "train": {"local_epochs": 1}}
+    )
+    tamper = _hostile(behaviour)
+    grid = InProcessGrid(
+        make_client_app(),
+        N,
+        tamper=lambda pid, r, i: tamper(pid, r, i) if _round_of(i) == rounds else r,
+    )
+    strategy = CompressedStrategy(
+        make_inner_strategy({"name": "fedavg"}, N),
+        codec=codec,
+        run_seed=settings.seed,
+        expected_nodes=N,
+        fraction_evaluate=0.0,
+        handoff=handoff,
+        task=client_task(settings),
+        identity_timeout=5,
+    )
+    peaks = []
+    aggregate = strategy.aggregate_train
+
+    def measured(server_round, replies):
+        replies = list(replies)
+        reset_peak_rss()
+        base = peak_rss()
+        with address_space_cap(4 << 30):
+            out = aggregate(server_round, replies)
+        peaks.append(max(0, peak_rss() - base))  # the mark was reset to ``base``
+        return out
+
+    strategy.aggregate_train = measured  # type: ignore[method-assign]
+    result = strategy.start(grid=grid, initial_arrays=initial_arrays(settings), num_rounds=rounds)
+    if on_grid is not None:
+        on_grid(grid, strategy)
+    return strategy, result, peaks[-1]
+
+
+def _round_of(instruction: Message) -> int:
+    return int(instruction.metadata.group_id or 0)  # identity queries carry none
+
+
+def same_arrays(a: ArrayRecord, b: ArrayRecord) -> bool:
+    """Bit-identical arrays under the same names, in the same order."""
+    return list(a.keys()) == list(b.keys()) and all(
+        np.array_equal(a[name].numpy(), b[name].numpy()) for name in a.keys()
+    )
+
+
+ONEBIT = {"name": "onebit", "bits": 1, "lam": 50.0}
+
+
+def onebit_bomb(pid, reply, instruction):
+    """(a)/(b) for the joint code: block and client count in the preamble at the
+    largest value their fields hold."""
+
+    def change(name, buf):
+        if buf[3] == 9:  # the one-bit preamble: u8 x4, then index, n, block, digest
+            body = _body_offset(buf)
+            struct.pack_into("<II", buf, body + 8, 2**32 - 1, 2**32 - 1)
+
+    return _map_payloads(reply, instruction, change)
+
+
+RESIDUAL = {"name": "residual", "inner": "uniform", "bits": 2, "block": 64}
+
+
+def residual_liars(pid, reply, instruction):
+    """10: a control-variate version it never had; 11: its own version and checksum
+    (forged to match) but an update blown up 10^6 times; 12: an unknown sync mode."""
+    if pid == 10:
+        return _header(reply, instruction, **{KEY_CV_VERSION: 7})
+    if pid == 12:
+        return _header(reply, instruction, **{KEY_RESYNC: 5})
+    return huge_values(pid, reply, instruction)
+
+
