@@ -246,6 +246,7 @@ def test_report_of_the_femnist_smoke_sweep_matches_its_results(data_fixtures, tm
     assert f"| 2 | 2 | {np.mean(diffs):+.4f} +- {half:.4f} |" in out.stdout  # paired by seed
 
 
+@pytest.mark.slow  # ~20 s; the in-process smoke tests cover the preset's numbers
 @pytest.mark.simulation
 def test_femnist_smoke_preset_under_hydra_and_ray(data_fixtures, tmp_path: Path) -> None:
     """The preset as a user runs it (Hydra multirun, Ray simulation, 16 writers), one

@@ -145,8 +145,11 @@ def _layout_bytes(spec: dict, shape: tuple[int, ...]) -> int:
 
 @pytest.mark.parametrize(
     "spec",
-    [{"name": "uniform", "bits": 4, "block": 256}, {"name": "randk", "fraction": 0.05}],
-    ids=["uniform4", "randk"],
+    [
+        pytest.param({"name": "uniform", "bits": 4, "block": 256}, id="uniform4"),
+        # Under Ray as well as in-process (test_pipeline_inprocess): slow here.
+        pytest.param({"name": "randk", "fraction": 0.05}, id="randk", marks=pytest.mark.slow),
+    ],
 )
 def test_compressed_simulation_records_the_real_payload_sizes(spec: dict) -> None:
     settings = settings_from_dict({"num_clients": 3, "num_rounds": 3, "codec": spec})
@@ -162,6 +165,7 @@ def test_compressed_simulation_records_the_real_payload_sizes(spec: dict) -> Non
     assert results["summary"]["final_accuracy"] > results["summary"]["initial_accuracy"]
 
 
+@pytest.mark.slow  # ~60 s; the multirun test above covers Hydra sweeps under Ray
 def test_paired_report_and_plot_on_a_tiny_sweep(tmp_path: Path) -> None:
     """The residual experiment's smoke preset runs and its report matches its files."""
     sweep = tmp_path / "smoke"
