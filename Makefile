@@ -53,7 +53,7 @@ fuzz: $(STAMP)
 	echo "fuzz seed $$seed (replay: make fuzz FUZZ_SEED=$$seed)"; start=$$(date +%s); \
 	FEDCOMP_FUZZ_EXAMPLES=10000 FEDCOMP_HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q \
 	    tests/test_fuzz_decoders.py --hypothesis-seed=$$seed --hypothesis-show-statistics \
-	    | grep -E "^tests/|passing examples|failing examples|Stopped because|passed|failed"; \
+	    | grep -E "^tests/|phase|passing examples|failing examples|Stopped because|passed|failed"; \
 	status=$${PIPESTATUS[0]}; \
 	echo "fuzz: seed $$seed, wall time $$(( $$(date +%s) - start )) s"; exit $$status
 
