@@ -139,18 +139,11 @@ class ControlVariateServer:
         self.resync_requested: set[int] = set()
 
     def reconstruct(
-        self,
-        stable_id: int,
-        decoded: Mapping[str, np.ndarray],
-        *,
-        version: int,
-        checksum: str,
-        sync: int,
+        self, stable_id: int, decoded: Mapping[str, np.ndarray], **protocol: Any
     ) -> dict[str, np.ndarray]:
-        """:meth:`prepare` then :meth:`commit`: the update, with the mirror moved."""
-        ghat, pending = self.prepare(
-            stable_id, decoded, version=version, checksum=checksum, sync=sync
-        )
+        """:meth:`prepare` (same arguments) then :meth:`commit`: the update, with the
+        mirror moved."""
+        ghat, pending = self.prepare(stable_id, decoded, **protocol)
         self.commit(pending)
         return ghat
 

@@ -471,14 +471,13 @@ class CompressedStrategy(Strategy):
     def _reject(self, state: _RoundState, sid: int | None, exc: Exception) -> None:
         """Count and log one rejected reply under its failure kind."""
         kind = failure_of(exc)
-        rejected = state.record.setdefault("rejected", {})
-        rejected[str(kind)] = rejected.get(str(kind), 0) + 1
+        _bump(state.record, "failures")
+        _bump(state.record.setdefault("rejected", {}), str(kind))
         if kind is Failure.RESYNC:
-            state.record["resync_requests"] = state.record.get("resync_requests", 0) + 1
+            _bump(state.record, "resync_requests")
             log.warning("round %d: client %s: %s", state.number, sid, exc)
             return
-        faults = state.record.setdefault("faults", {})
-        faults["rejected_reply"] = faults.get("rejected_reply", 0) + 1
+        _bump(state.record.setdefault("faults", {}), "rejected_reply")
         if kind is Failure.UNEXPECTED:  # a decoder bug, not the client's fault alone
             log.error(
                 "round %d: reply of client %s could not be decoded (%s: %s)",
@@ -495,9 +494,9 @@ class CompressedStrategy(Strategy):
 
     def _count_error_reply(self, state: _RoundState, sid: int | None, msg: Message) -> None:
         injected = re.search(FAULT_REASON_PREFIX + r"(\w+)", str(msg.error.reason))
+        _bump(state.record, "failures")
         kind = injected.group(1) if injected else "error_reply"
-        faults = state.record.setdefault("faults", {})
-        faults[kind] = faults.get(kind, 0) + 1
+        _bump(state.record.setdefault("faults", {}), kind)
         log.warning(
             "round %d: client %s replied with an error: %s",
             state.number,
@@ -520,7 +519,6 @@ class CompressedStrategy(Strategy):
             row = state.per_client.setdefault(sid, empty_client_row(sid)) if sid is not None else {}
             row["uplink_wire_bytes"] = row.get("uplink_wire_bytes", 0) + wire_bytes(msg)
             if msg.has_error():
-                state.record["failures"] = state.record.get("failures", 0) + 1
                 self._count_error_reply(state, sid, msg)
                 continue
             row["uplink_record_bytes"] = row.get("uplink_record_bytes", 0) + record_bytes(
@@ -534,7 +532,6 @@ class CompressedStrategy(Strategy):
                     )
                 decoded.append(self._decode_reply(msg, state))
             except Exception as exc:  # every failure is this client's only (docstring)
-                state.record["failures"] = state.record.get("failures", 0) + 1
                 self._reject(state, sid, exc)
         decoded.sort(key=lambda d: d.stable_id)  # reply order never matters
         return decoded
@@ -548,7 +545,7 @@ class CompressedStrategy(Strategy):
                 self.cv.commit(item.pending)
             counter = {SYNC_FULL: "resyncs", SYNC_RESTART: "restarts"}.get(item.sync)
             if counter is not None:
-                state.record[counter] = state.record.get(counter, 0) + 1
+                _bump(state.record, counter)
             self.accepted_round[item.stable_id] = state.number
 
     def aggregate_train(
@@ -604,7 +601,6 @@ class CompressedStrategy(Strategy):
         kept = []
         for item, norm in zip(decoded, norms, strict=True):
             if norm > bound:
-                state.record["failures"] = state.record.get("failures", 0) + 1
                 exc = ReplyError(
                     f"update norm {norm:.3g} is beyond {self.reject_factor:g} x the round's "
                     f"median ({bound:.3g})",
@@ -824,6 +820,11 @@ class CompressedStrategy(Strategy):
 
 
 _FP32 = make_codec_from_spec({"name": "fp32"})
+
+
+def _bump(counts: dict[str, Any], key: str) -> None:
+    """One more in a round record's counter."""
+    counts[key] = counts.get(key, 0) + 1
 
 
 def _int_field(header: ConfigRecord, key: str, default: int) -> int:
