@@ -24,6 +24,7 @@ import json
 import math
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,55 @@ SUMMARY_FIELDS: dict[str, tuple[type, ...]] = {
     "ratio_vs_fp32_codec": _OPT_NUM,
     "ratio_vs_fp32_wire": _OPT_NUM,
 }
+
+
+@dataclass
+class RoundCounts:
+    """What the server counts and times during one round, as typed fields (a misspelled
+    counter is an AttributeError, never a silent 0). ``strategies.records.round_record``
+    turns it, with the byte counts, into one round of results.json."""
+
+    selected: int = 0
+    replied: int = 0
+    #: Replies that were not aggregated, whatever the reason (error replies included).
+    failures: int = 0
+    #: Rejected replies whose decoded values were NaN or infinite.
+    nonfinite: int = 0
+    #: Residual memory: full-precision resyncs and h = 0 restarts accepted, and the
+    #: resyncs the server asked for.
+    resyncs: int = 0
+    restarts: int = 0
+    resync_requests: int = 0
+    #: Bounded influence: weights capped, updates clipped.
+    capped: int = 0
+    clipped: int = 0
+    #: 1 when the aggregate was not finite and the model was kept.
+    aggregate_nonfinite: int = 0
+    #: Error replies by fault kind (injected faults, ``error_reply``), plus
+    #: ``rejected_reply`` for every reply the server refused.
+    faults: dict[str, int] = field(default_factory=dict)
+    #: Refused replies by failure kind (fedcomp.failures.Failure).
+    rejected: dict[str, int] = field(default_factory=dict)
+    decode_s: float = 0.0
+    aggregate_s: float = 0.0
+    client_accuracy: float | None = None
+    client_loss: float | None = None
+    diagnostics: dict[str, float] | None = None
+    tree: dict[str, Any] | None = None
+    joint: dict[str, Any] | None = None
+
+    def count_fault(self, kind: str) -> None:
+        """One more failed reply of this fault kind."""
+        self.failures += 1
+        self.faults[kind] = self.faults.get(kind, 0) + 1
+
+    def count_rejection(self, kind: str, *, fault: bool = True) -> None:
+        """One more refused reply of this failure kind (``fault``: also counted as a
+        ``rejected_reply`` fault; resync requests are not faults)."""
+        self.failures += 1
+        self.rejected[kind] = self.rejected.get(kind, 0) + 1
+        if fault:
+            self.faults["rejected_reply"] = self.faults.get("rejected_reply", 0) + 1
 
 
 class ResultsError(ValueError):

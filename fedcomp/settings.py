@@ -27,6 +27,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Union
 
+from fedcomp.rules import check_server_options, fail
+
 if TYPE_CHECKING:  # a runtime import would load torch for every settings user
     from fedcomp.trees.aggregate import TreeConfig
 
@@ -47,7 +49,6 @@ STRATEGIES = (
     "fedmedian",
     "fedtrimmedavg",
 )
-HANDOFFS = ("per_client", "pre_aggregated")
 
 
 @dataclass
@@ -295,19 +296,12 @@ def settings_to_dict(settings: Settings) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------
 
 
-def _fail(key: str, value: Any, allowed: str) -> None:
-    raise ValueError(f"invalid setting {key}={value!r}: {allowed}")
+_fail = fail
 
 
 def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         _fail(key, value, f"allowed: {', '.join(choices)}")
-
-
-def _check_fraction(key: str, value: float, *, allow_zero: bool) -> None:
-    low_ok = value >= 0.0 if allow_zero else value > 0.0
-    if not (low_ok and value <= 1.0):
-        _fail(key, value, f"must be in {'[0, 1]' if allow_zero else '(0, 1]'}")
 
 
 def validate(settings: Settings) -> Settings:
@@ -369,33 +363,18 @@ def validate(settings: Settings) -> Settings:
     if "name" not in s.strategy:
         _fail("strategy", s.strategy, "a strategy spec needs a 'name'")
     _check_choice("strategy.name", s.strategy["name"], STRATEGIES)
-    _check_fraction("fraction_train", s.fraction_train, allow_zero=False)
-    _check_fraction("fraction_evaluate", s.fraction_evaluate, allow_zero=True)
-    _check_choice("aggregation.handoff", s.aggregation.handoff, HANDOFFS)
     a = s.aggregation
-    # Joint codes (fedcomp.codecs.JOINT_CODES; not imported here: it would load torch)
-    # decode only the mean of all replies.
-    if s.codec.get("name") == "onebit" and a.handoff != "pre_aggregated":
-        _fail(
-            "aggregation.handoff",
-            a.handoff,
-            "codec onebit is a joint code (the server decodes only the mean of all "
-            "replies): use aggregation=pre_aggregated",
-        )
-    tree_config(s)  # TreeConfig's own checks name the aggregation.* key
-    if (a.tree != "sum" or a.dtype != "fp32" or a.root_fp32) and a.handoff != "pre_aggregated":
-        _fail(
-            "aggregation.tree",
-            a.tree,
-            "trees and low precision need aggregation.handoff="
-            "pre_aggregated (per-client mode hands every reply to the inner strategy)",
-        )
-    if a.weight_cap != 0 and not (math.isfinite(a.weight_cap) and a.weight_cap >= 1):
-        _fail("aggregation.weight_cap", a.weight_cap, "must be 0 (off) or a number >= 1")
-    if a.norm_cap != 0 and not (math.isfinite(a.norm_cap) and a.norm_cap >= 1):
-        _fail("aggregation.norm_cap", a.norm_cap, "must be 0 (off) or a number >= 1")
-    if a.reject_factor != 0 and not (math.isfinite(a.reject_factor) and a.reject_factor >= 1):
-        _fail("aggregation.reject_factor", a.reject_factor, "must be 0 (off) or a number >= 1")
+    check_server_options(  # the rules CompressedStrategy's constructor applies too
+        codec_name=str(s.codec["name"]),
+        handoff=a.handoff,
+        strategy_name=str(s.strategy["name"]),
+        trees=tree_config(s),  # TreeConfig's own checks name the aggregation.* key
+        fraction_train=s.fraction_train,
+        fraction_evaluate=s.fraction_evaluate,
+        weight_cap=a.weight_cap,
+        norm_cap=a.norm_cap,
+        reject_factor=a.reject_factor,
+    )
     rates = dataclasses.asdict(s.faults)
     for key, rate in rates.items():
         if not (isinstance(rate, int | float) and 0.0 <= rate <= 1.0):

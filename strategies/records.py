@@ -22,6 +22,7 @@ from fedcomp.keys import (
     METRIC_STATE_BYTES,
     RECORD_PAYLOAD,
 )
+from fedcomp.results import RoundCounts
 from strategies.accounting import wire_bytes
 
 #: Client metrics copied into each client's row (without the "fedcomp." prefix).
@@ -79,7 +80,7 @@ def mean(values: list[float]) -> float | None:
 
 
 def residual_summary(
-    cv: ControlVariateServer | None, counts: Mapping[str, Any], measured: list[dict[str, Any]]
+    cv: ControlVariateServer | None, counts: RoundCounts, measured: list[dict[str, Any]]
 ) -> dict[str, Any]:
     """Per-round residual statistics (means over decoded replies that coded a residual)."""
     if cv is None:
@@ -95,15 +96,15 @@ def residual_summary(
         "noise_bound_mean": mean([r["cv-noise-bound"] for r in coded]),
         "client_state_bytes_mean": mean([r["state-bytes"] for r in measured if "state-bytes" in r]),
         "server_mirror_bytes": cv.store.nbytes(),
-        "resync_requests": counts.get("resync_requests", 0),
-        "restarts": counts.get("restarts", 0),
+        "resync_requests": counts.resync_requests,
+        "restarts": counts.restarts,
     }
 
 
 def round_record(
     server_round: int,
     central: Mapping[str, float],
-    counts: Mapping[str, Any],
+    counts: RoundCounts,
     rows: list[dict[str, Any]],
     *,
     round_s: float,
@@ -121,29 +122,29 @@ def round_record(
         "round": server_round,
         "accuracy": central.get("accuracy"),
         "loss": central.get("loss"),
-        "client_accuracy": counts.get("client_accuracy"),
-        "client_loss": counts.get("client_loss"),
+        "client_accuracy": counts.client_accuracy,
+        "client_loss": counts.client_loss,
         "uplink_codec_bytes": sum(r["uplink_codec_bytes"] for r in rows),
         "uplink_record_bytes": sum(r["uplink_record_bytes"] for r in rows),
         "uplink_wire_bytes": sum(r["uplink_wire_bytes"] for r in rows),
         "downlink_record_bytes": sum(r["downlink_record_bytes"] for r in rows),
         "downlink_wire_bytes": sum(r["downlink_wire_bytes"] for r in rows),
         "per_client": rows,
-        "decode_s": counts.get("decode_s", 0.0),
-        "aggregate_s": counts.get("aggregate_s", 0.0),
+        "decode_s": counts.decode_s,
+        "aggregate_s": counts.aggregate_s,
         "round_s": round_s,
-        "selected": counts.get("selected", 0),
-        "replied": counts.get("replied", 0),
-        "failures": counts.get("failures", 0),
-        "resyncs": counts.get("resyncs", 0),
-        "nonfinite": counts.get("nonfinite", 0),
-        "faults": dict(counts.get("faults", {})),
+        "selected": counts.selected,
+        "replied": counts.replied,
+        "failures": counts.failures,
+        "resyncs": counts.resyncs,
+        "nonfinite": counts.nonfinite,
+        "faults": dict(counts.faults),
         # Rejected replies per failure kind (fedcomp.failures.Failure).
-        "rejected": dict(counts.get("rejected", {})),
-        **({"aggregate_nonfinite": 1} if counts.get("aggregate_nonfinite") else {}),
-        "capped": counts.get("capped", 0),
-        "clipped": counts.get("clipped", 0),
-        **({"diagnostics": counts["diagnostics"]} if "diagnostics" in counts else {}),
+        "rejected": dict(counts.rejected),
+        **({"aggregate_nonfinite": 1} if counts.aggregate_nonfinite else {}),
+        "capped": counts.capped,
+        "clipped": counts.clipped,
+        **({"diagnostics": counts.diagnostics} if counts.diagnostics is not None else {}),
         "codec": {
             "spec": dict(codec_spec),
             "fp32_codec_bytes": fp32_codec,
@@ -157,8 +158,8 @@ def round_record(
                 [r["codec_rel_error"] for r in measured if "codec_rel_error" in r]
             ),
             **residual_summary(cv, counts, measured),
-            **({"tree": counts["tree"]} if "tree" in counts else {}),
-            **({"joint": counts["joint"]} if "joint" in counts else {}),
+            **({"tree": counts.tree} if counts.tree is not None else {}),
+            **({"joint": counts.joint} if counts.joint is not None else {}),
         },
     }
 

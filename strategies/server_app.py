@@ -128,6 +128,31 @@ def _resume(settings: Settings, strategy: CompressedStrategy) -> tuple[ArrayReco
     return arrays, ckpt.round + 1
 
 
+def build_strategy(
+    settings: Settings, on_round: Callable[[dict[str, Any]], None] | None = None
+) -> CompressedStrategy:
+    """The ServerApp's strategy for these settings (the inner Flower strategy wrapped)."""
+    return CompressedStrategy(
+        make_inner_strategy(settings.strategy, settings.num_clients),
+        codec=settings.codec,
+        run_seed=settings.seed,
+        expected_nodes=settings.num_clients,
+        fraction_train=settings.fraction_train,
+        fraction_evaluate=settings.fraction_evaluate,
+        handoff=settings.aggregation.handoff,
+        task=client_task(settings),
+        policy=TensorPolicy(min_numel=settings.policy.min_numel),
+        mirror_dir=settings.aggregation.mirror_dir or None,
+        trees=tree_config(settings),
+        identity_timeout=settings.simulation.round_timeout,
+        on_round=on_round,
+        update_probe=_update_probe(settings.diagnostics_dir),
+        weight_cap=settings.aggregation.weight_cap,
+        norm_cap=settings.aggregation.norm_cap,
+        reject_factor=settings.aggregation.reject_factor,
+    )
+
+
 def run_server(
     grid: Grid,
     settings: Settings,
@@ -148,25 +173,7 @@ def run_server(
         if on_round is not None:
             on_round(record)
 
-    strategy = CompressedStrategy(
-        make_inner_strategy(settings.strategy, settings.num_clients),
-        codec=settings.codec,
-        run_seed=settings.seed,
-        expected_nodes=settings.num_clients,
-        fraction_train=settings.fraction_train,
-        fraction_evaluate=settings.fraction_evaluate,
-        handoff=settings.aggregation.handoff,
-        task=client_task(settings),
-        policy=TensorPolicy(min_numel=settings.policy.min_numel),
-        mirror_dir=settings.aggregation.mirror_dir or None,
-        trees=tree_config(settings),
-        identity_timeout=settings.simulation.round_timeout,
-        on_round=round_done,
-        update_probe=_update_probe(settings.diagnostics_dir),
-        weight_cap=settings.aggregation.weight_cap,
-        norm_cap=settings.aggregation.norm_cap,
-        reject_factor=settings.aggregation.reject_factor,
-    )
+    strategy = build_strategy(settings, on_round=round_done)
     with torch.no_grad():
         initial = ArrayRecord(model.state_dict())
     first_round = 1

@@ -40,12 +40,6 @@ from flwr.app import (
 )
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import (
-    FedAdagrad,
-    FedAdam,
-    FedAvg,
-    FedAvgM,
-    FedProx,
-    FedYogi,
     Result,
     Strategy,
 )
@@ -84,8 +78,9 @@ from fedcomp.keys import (
 )
 from fedcomp.onebit import OneBitCode
 from fedcomp.onebit.federated import JointServerState, pack_taus
+from fedcomp.results import RoundCounts
 from fedcomp.rng import numpy_generator
-from fedcomp.settings import HANDOFFS
+from fedcomp.rules import check_server_options
 from fedcomp.trees.aggregate import TreeConfig, TreeStats, tree_mean
 from strategies.accounting import record_bytes, wire_bytes
 from strategies.identity import StableIds
@@ -94,11 +89,6 @@ from strategies.records import account_reply, empty_client_row, log_line, round_
 from strategies.validation import ReplyError, check_reply, compressed_names, decode_payloads
 
 log = logging.getLogger(__name__)
-
-#: Inner strategies whose aggregate is a weighted mean of the replies, the only ones
-#: that a single pre-aggregated reply can stand in for. Exact types: FedMedian and
-#: FedTrimmedAvg subclass FedAvg but are not means.
-MEAN_BASED = (FedAvg, FedAvgM, FedProx, FedAdam, FedYogi, FedAdagrad)
 
 #: Client metric names starting with this prefix are fedcomp's own; they are
 #: aggregated here and not handed to the inner strategy.
@@ -129,7 +119,7 @@ class _RoundState:
     t_start: float
     global_arrays: dict[str, np.ndarray] = field(default_factory=dict)
     sent: dict[int, Message] = field(default_factory=dict)
-    record: dict[str, Any] = field(default_factory=dict)
+    record: RoundCounts = field(default_factory=RoundCounts)
     per_client: dict[int, dict[str, Any]] = field(default_factory=dict)
     tensor_codecs: dict[str, str] = field(default_factory=dict)
     joint: JointRound | None = None
@@ -206,32 +196,25 @@ class CompressedStrategy(Strategy):
     ) -> None:
         if not isinstance(strategy, Strategy):
             raise TypeError(f"strategy must be a Flower Strategy, found {type(strategy)}")
-        if handoff not in HANDOFFS:
-            raise ValueError(f"handoff={handoff!r}; allowed: {', '.join(HANDOFFS)}")
-        if handoff == "pre_aggregated" and type(strategy) not in MEAN_BASED:
-            raise ValueError(
-                f"handoff='pre_aggregated' hands the inner strategy one averaged reply, so it "
-                f"needs a mean-based strategy ({', '.join(c.__name__ for c in MEAN_BASED)}); "
-                f"found {type(strategy).__name__}. Use handoff='per_client' instead."
-            )
         if expected_nodes <= 0:
             raise ValueError(f"expected_nodes must be positive, found {expected_nodes!r}")
-        for name, value, low_ok in (
-            ("fraction_train", fraction_train, fraction_train > 0),
-            ("fraction_evaluate", fraction_evaluate, fraction_evaluate >= 0),
-        ):
-            if not (low_ok and value <= 1):
-                raise ValueError(f"{name}={value!r} is out of range")
+        self.trees = trees or TreeConfig()
+        # The same rules, and messages, as the settings check before Ray starts.
+        check_server_options(
+            codec_name=str(codec.get("name")),
+            handoff=handoff,
+            strategy_name=type(strategy).__name__.lower(),
+            trees=self.trees,
+            fraction_train=fraction_train,
+            fraction_evaluate=fraction_evaluate,
+            weight_cap=weight_cap,
+            norm_cap=norm_cap,
+            reject_factor=reject_factor,
+        )
         self.codec = make_codec_from_spec(codec)  # fails fast on a bad spec
         self.codec_json = json.dumps(self.codec.spec(), sort_keys=True)
         #: Joint codes (one-bit) decode only the mean of all replies together.
         self.joint = isinstance(self.codec, OneBitCode)
-        if self.joint and handoff != "pre_aggregated":
-            raise ValueError(
-                f"codec {self.codec.name!r} is a joint code: the server decodes only the mean "
-                "of all replies, so it needs handoff='pre_aggregated' "
-                "(aggregation=pre_aggregated), not per_client"
-            )
         if self.joint and policy is None:
             policy = TensorPolicy()  # sent, so client and server pick the same tensors
         self.policy = policy or TensorPolicy()
@@ -255,26 +238,12 @@ class CompressedStrategy(Strategy):
             if isinstance(self.codec, ResidualMemory)
             else None
         )
-        self.trees = trees or TreeConfig()
-        if (self.trees != TreeConfig()) and handoff != "pre_aggregated":
-            raise ValueError("reduction trees need handoff='pre_aggregated'")
-        if self.trees != TreeConfig() and self.joint:
-            raise ValueError(
-                "reduction trees do not apply to a joint code: its decoder sums the answers "
-                "itself, in float64; use aggregation.tree='sum'"
-            )
         self.tree_stats = TreeStats()
         self.identity_timeout = identity_timeout
         self.on_round = on_round
         self.update_probe = update_probe
-        if weight_cap != 0 and not weight_cap >= 1:
-            raise ValueError(f"weight_cap={weight_cap!r}: use 0 (off) or a number >= 1")
         self.weight_cap = float(weight_cap)
-        if norm_cap != 0 and not norm_cap >= 1:
-            raise ValueError(f"norm_cap={norm_cap!r}: use 0 (off) or a number >= 1")
         self.norm_cap = float(norm_cap)
-        if reject_factor != 0 and not reject_factor >= 1:
-            raise ValueError(f"reject_factor={reject_factor!r}: use 0 (off) or a number >= 1")
         self.reject_factor = float(reject_factor)
         #: The stateless codec clients use for compressed tensors (what every payload
         #: is checked against); None for a joint code, whose payloads check themselves.
@@ -421,7 +390,7 @@ class CompressedStrategy(Strategy):
             row = state.per_client.setdefault(sid, empty_client_row(sid))
             row["downlink_record_bytes"] = record_bytes(msg.content)
             row["downlink_wire_bytes"] = wire_bytes(msg)
-        state.record["selected"] = len(selected)
+        state.record.selected = len(selected)
         return list(state.sent.values())
 
     def _decode_reply(self, msg: Message, state: _RoundState) -> _Decoded:
@@ -471,13 +440,13 @@ class CompressedStrategy(Strategy):
     def _reject(self, state: _RoundState, sid: int | None, exc: Exception) -> None:
         """Count and log one rejected reply under its failure kind."""
         kind = failure_of(exc)
-        _bump(state.record, "failures")
-        _bump(state.record.setdefault("rejected", {}), str(kind))
+        state.record.count_rejection(str(kind), fault=kind is not Failure.RESYNC)
+        if kind is Failure.NONFINITE:
+            state.record.nonfinite += 1
         if kind is Failure.RESYNC:
-            _bump(state.record, "resync_requests")
+            state.record.resync_requests += 1
             log.warning("round %d: client %s: %s", state.number, sid, exc)
             return
-        _bump(state.record.setdefault("faults", {}), "rejected_reply")
         if kind is Failure.UNEXPECTED:  # a decoder bug, not the client's fault alone
             log.error(
                 "round %d: reply of client %s could not be decoded (%s: %s)",
@@ -494,9 +463,7 @@ class CompressedStrategy(Strategy):
 
     def _count_error_reply(self, state: _RoundState, sid: int | None, msg: Message) -> None:
         injected = re.search(FAULT_REASON_PREFIX + r"(\w+)", str(msg.error.reason))
-        _bump(state.record, "failures")
-        kind = injected.group(1) if injected else "error_reply"
-        _bump(state.record.setdefault("faults", {}), kind)
+        state.record.count_fault(injected.group(1) if injected else "error_reply")
         log.warning(
             "round %d: client %s replied with an error: %s",
             state.number,
@@ -543,9 +510,8 @@ class CompressedStrategy(Strategy):
             account_reply(row, item.message.content[RECORD_PAYLOAD], item.metrics, item.weight)
             if item.pending is not None:
                 self.cv.commit(item.pending)
-            counter = {SYNC_FULL: "resyncs", SYNC_RESTART: "restarts"}.get(item.sync)
-            if counter is not None:
-                _bump(state.record, counter)
+            state.record.resyncs += item.sync == SYNC_FULL
+            state.record.restarts += item.sync == SYNC_RESTART
             self.accepted_round[item.stable_id] = state.number
 
     def aggregate_train(
@@ -562,8 +528,8 @@ class CompressedStrategy(Strategy):
         self._accept(decoded, state)
         decode_s = time.perf_counter() - t0
 
-        state.record["capped"] = self._cap_weights(decoded)
-        state.record["clipped"] = self._clip_norms(decoded)
+        state.record.capped = self._cap_weights(decoded)
+        state.record.clipped = self._clip_norms(decoded)
         t1 = time.perf_counter()
         arrays, metrics = self._hand_over(server_round, decoded, state)
         aggregate_s = time.perf_counter() - t1
@@ -571,11 +537,11 @@ class CompressedStrategy(Strategy):
             log.error(
                 "round %d: the aggregate is not finite; the global model is kept", server_round
             )
-            state.record["aggregate_nonfinite"] = 1
+            state.record.aggregate_nonfinite = 1
             arrays, metrics = None, None
         if self.update_probe is not None and arrays is not None:
             new_arrays = {k: np.asarray(v.numpy()) for k, v in arrays.items()}
-            state.record["diagnostics"] = dict(
+            state.record.diagnostics = dict(
                 self.update_probe(
                     server_round,
                     state.global_arrays,
@@ -583,13 +549,8 @@ class CompressedStrategy(Strategy):
                     [d.stable_id for d in decoded],
                 )
             )
-        state.record.update(
-            replied=len(decoded),
-            failures=state.record.get("failures", 0),
-            nonfinite=state.record.get("rejected", {}).get(Failure.NONFINITE, 0),
-            decode_s=decode_s,
-            aggregate_s=aggregate_s,
-        )
+        state.record.replied = len(decoded)
+        state.record.decode_s, state.record.aggregate_s = decode_s, aggregate_s
         return arrays, metrics
 
     def _reject_outliers(self, decoded: list[_Decoded], state: _RoundState) -> list[_Decoded]:
@@ -693,10 +654,10 @@ class CompressedStrategy(Strategy):
                     )
                 except ValueError as exc:  # e.g. a non-finite mean: keep the model
                     log.warning("round %d: joint decoding failed: %s", server_round, exc)
-                    state.record["joint"] = {"error": str(exc)}
+                    state.record.joint = {"error": str(exc)}
                     return None, None
                 mean.update(joint)
-                state.record["joint"] = dict(state.joint.stats)
+                state.record.joint = dict(state.joint.stats)
             elif self.trees == TreeConfig():
                 mean = weighted_mean(updates, weights)
             else:
@@ -708,7 +669,7 @@ class CompressedStrategy(Strategy):
                     self.tree_stats,
                     server_round,
                 )
-                state.record["tree"] = report
+                state.record.tree = report
             metrics = aggregate_metricrecords(
                 [RecordDict({"metrics": self._client_metrics(d)}) for d in decoded],
                 KEY_NUM_EXAMPLES,
@@ -781,8 +742,8 @@ class CompressedStrategy(Strategy):
         valid.sort(key=lambda pair: pair[0])
         metrics = self.strategy.aggregate_evaluate(server_round, [m for _, m in valid])
         if self._state is not None and self._state.number == server_round and metrics:
-            self._state.record["client_accuracy"] = metrics.get("eval_acc")
-            self._state.record["client_loss"] = metrics.get("eval_loss")
+            self._state.record.client_accuracy = metrics.get("eval_acc")
+            self._state.record.client_loss = metrics.get("eval_loss")
         return metrics
 
     # ------------------------------------------------------------------ round records
@@ -820,11 +781,6 @@ class CompressedStrategy(Strategy):
 
 
 _FP32 = make_codec_from_spec({"name": "fp32"})
-
-
-def _bump(counts: dict[str, Any], key: str) -> None:
-    """One more in a round record's counter."""
-    counts[key] = counts.get(key, 0) + 1
 
 
 def _int_field(header: ConfigRecord, key: str, default: int) -> int:

@@ -67,6 +67,9 @@ BAD_VALUES = [
     ("strategy.name=fedsgd", "strategy.name='fedsgd'"),
     ("+strategy.etaa=0.1", "strategy.etaa"),
     ("codec.name=zip", "unknown codec 'zip'"),
+    # Found failing inside the ServerApp after Ray had started (one rule set now).
+    ("aggregation.chunk_size=1024", "aggregation.chunk_size=1024: reduction-tree options"),
+    ("aggregation.stats=ema", "aggregation.stats='ema': reduction-tree options"),
 ]
 
 

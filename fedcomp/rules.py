@@ -1,0 +1,115 @@
+"""The server's cross-field rules, written once.
+
+The settings check that runs before Ray starts (``fedcomp.settings.validate``) and
+``CompressedStrategy``'s constructor both call :func:`check_server_options`, so a
+combination of settings either passes both or fails both, with the same message naming
+the key, the value and what is allowed (tests/test_settings_grid.py checks it on a grid).
+No flwr and no torch here: the settings module imports this.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NoReturn
+
+HANDOFFS = ("per_client", "pre_aggregated")
+#: Joint codes: no per-client decoder; the server decodes only the mean of all replies.
+JOINT_CODES = ("onebit",)
+#: Inner strategies whose aggregate is a weighted mean of the replies: the only ones a
+#: single pre-aggregated reply can stand in for (FedMedian and FedTrimmedAvg subclass
+#: FedAvg in Flower but are not means). Names are Flower's class names, lower-cased.
+MEAN_BASED = ("fedavg", "fedavgm", "fedprox", "fedadam", "fedyogi", "fedadagrad")
+
+
+def fail(key: str, value: Any, allowed: str) -> NoReturn:
+    """Raise the one error shape of a bad setting."""
+    raise ValueError(f"invalid setting {key}={value!r}: {allowed}")
+
+
+def _check_fraction(key: str, value: float, *, allow_zero: bool) -> None:
+    low_ok = value >= 0.0 if allow_zero else value > 0.0
+    if not (low_ok and value <= 1.0):
+        fail(key, value, f"must be in {'[0, 1]' if allow_zero else '(0, 1]'}")
+
+
+def _check_factor(key: str, value: float) -> None:
+    if value != 0 and not (math.isfinite(value) and value >= 1):
+        fail(key, value, "must be 0 (off) or a number >= 1")
+
+
+def changed_tree_options(trees: Any) -> list[tuple[str, Any]]:
+    """The (``aggregation.<field>``, value) pairs of a TreeConfig that differ from its
+    defaults: any of them means the user asked for a reduction tree's behaviour."""
+    default = type(trees)()
+    return [
+        (f"aggregation.{f.name}", getattr(trees, f.name))
+        for f in dataclasses.fields(trees)
+        if getattr(trees, f.name) != getattr(default, f.name)
+    ]
+
+
+def check_server_options(
+    *,
+    codec_name: str,
+    handoff: str,
+    strategy_name: str,
+    trees: Any,
+    fraction_train: float,
+    fraction_evaluate: float,
+    weight_cap: float,
+    norm_cap: float,
+    reject_factor: float,
+) -> None:
+    """Check the combination of server options that only the server half can judge.
+
+    ``strategy_name`` is the inner strategy's name (``type(strategy).__name__.lower()``
+    for a Flower class); ``trees`` a :class:`fedcomp.trees.aggregate.TreeConfig`.
+
+    Raises
+    ------
+    ValueError
+        ``invalid setting <key>=<value>: <what is allowed>``.
+    """
+    if handoff not in HANDOFFS:
+        fail("aggregation.handoff", handoff, f"allowed: {', '.join(HANDOFFS)}")
+    pre = handoff == "pre_aggregated"
+    if pre and strategy_name not in MEAN_BASED:
+        fail(
+            "strategy.name",
+            strategy_name,
+            "aggregation.handoff=pre_aggregated hands the inner strategy one averaged "
+            f"reply, so it needs a mean-based strategy ({', '.join(MEAN_BASED)}); "
+            "use aggregation=per_client for the others",
+        )
+    joint = codec_name in JOINT_CODES
+    if joint and not pre:
+        fail(
+            "aggregation.handoff",
+            handoff,
+            f"codec {codec_name} is a joint code (the server decodes only the mean of all "
+            "replies): use aggregation=pre_aggregated",
+        )
+    changed = changed_tree_options(trees)
+    if changed and not pre:
+        key, value = changed[0]
+        fail(
+            key,
+            value,
+            "reduction-tree options need aggregation.handoff=pre_aggregated (per-client "
+            "mode hands every reply to the inner strategy); leave them at their defaults",
+        )
+    if changed and joint:
+        key, value = changed[0]
+        fail(
+            key,
+            value,
+            f"reduction trees do not apply to the joint code {codec_name}: its decoder "
+            "sums the answers itself, in float64; leave the aggregation.* tree options "
+            "at their defaults",
+        )
+    _check_fraction("fraction_train", fraction_train, allow_zero=False)
+    _check_fraction("fraction_evaluate", fraction_evaluate, allow_zero=True)
+    _check_factor("aggregation.weight_cap", weight_cap)
+    _check_factor("aggregation.norm_cap", norm_cap)
+    _check_factor("aggregation.reject_factor", reject_factor)
