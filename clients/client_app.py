@@ -16,11 +16,11 @@ from flwr.clientapp import ClientApp
 from flwr.clientapp.typing import Mod
 
 from clients.faults import FaultMod, NaNFaultMod
-from clients.identity import partition_id_of, stable_id_of
-from clients.mod import CompressionMod
 from fedcomp.codecs import TensorPolicy
 from fedcomp.data import client_datasets
 from fedcomp.diagnostics import write_update
+from fedcomp.flower.identity import partition_id_of, stable_id_of
+from fedcomp.flower.mod import CompressionMod
 from fedcomp.keys import (
     KEY_NUM_EXAMPLES,
     KEY_QUERY,
@@ -51,7 +51,7 @@ def _task(msg: Message) -> Settings:
     if config is None:
         raise ValueError(
             f"instruction has no '{KEY_TASK}' config: this ClientApp is driven by "
-            "strategies.wrapper.CompressedStrategy"
+            "fedcomp.flower.strategy.CompressedStrategy"
         )
     return validate(settings_from_dict(json.loads(str(config[KEY_TASK]))))
 

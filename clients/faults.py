@@ -22,7 +22,7 @@ from flwr.app import Array, ArrayRecord, Context, Error, Message, MessageType, R
 from flwr.clientapp.typing import ClientAppCallable
 from flwr.common.constant import ErrorCode
 
-from clients.identity import stable_id_of
+from fedcomp.flower.identity import stable_id_of
 from fedcomp.keys import FAULT_REASON_PREFIX, KEY_ROUND, KEY_RUN_SEED, KEY_TASK, RECORD_PAYLOAD
 from fedcomp.rng import numpy_generator
 

@@ -82,10 +82,10 @@ def real_updates(clients: int) -> torch.Tensor:
     """Client updates of round 2 of a digits run (in-process, no Ray)."""
     from clients.client_app import make_client_app
     from experiments.inprocess import InProcessGrid, Spy, initial_arrays, set_task_identity
+    from fedcomp.flower.strategy import CompressedStrategy
     from fedcomp.settings import settings_from_dict
     from strategies.inner import make_inner_strategy
     from strategies.server_app import client_task
-    from strategies.wrapper import CompressedStrategy
 
     set_task_identity()
     settings = settings_from_dict(

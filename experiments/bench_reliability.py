@@ -44,8 +44,8 @@ from experiments.memory import address_space_cap, exact_peaks, peak_rss, reset_p
 from experiments.runtime import emit
 from fedcomp.codecs import TensorPolicy, make_codec
 from fedcomp.failures import Rejection
+from fedcomp.flower.validation import decode_payloads
 from fedcomp.rng import derive_seed
-from strategies.validation import decode_payloads
 
 SPECS = [
     {"name": "raw"},

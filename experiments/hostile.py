@@ -19,6 +19,7 @@ from clients.client_app import make_client_app
 from experiments.inprocess import InProcessGrid, initial_arrays, set_task_identity
 from experiments.memory import address_space_cap, peak_rss, reset_peak_rss
 from fedcomp.failures import Failure
+from fedcomp.flower.strategy import CompressedStrategy
 from fedcomp.keys import (
     KEY_CV_VERSION,
     KEY_RESYNC,
@@ -30,7 +31,6 @@ from fedcomp.keys import (
 from fedcomp.settings import settings_from_dict
 from strategies.inner import make_inner_strategy
 from strategies.server_app import client_task
-from strategies.wrapper import CompressedStrategy
 
 HONEST, HOSTILE = list(range(10)), [10, 11, 12]
 N = len(HONEST) + len(HOSTILE)

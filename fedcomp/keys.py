@@ -1,7 +1,8 @@
 """Record and config keys shared by the client mod and the server strategy wrapper.
 
-The client side (``clients``) and the server side (``strategies``) never import
-each other; they agree on these names instead, as Flower's DP mods and wrappers do.
+The client mod (``fedcomp.flower.mod``) and the server wrapper
+(``fedcomp.flower.strategy``) never import each other; they agree on these names
+instead, as Flower's DP mods and wrappers do.
 """
 
 #: Version of the fedcomp message protocol (header fields and record layout).

@@ -23,6 +23,8 @@ from fedcomp.checkpoint import Checkpoint, check_compatible, load_checkpoint, sa
 from fedcomp.codecs import TensorPolicy
 from fedcomp.data import server_test_set
 from fedcomp.diagnostics import aggregate_error
+from fedcomp.flower.records import fmt
+from fedcomp.flower.strategy import CompressedStrategy
 from fedcomp.models import build_model
 from fedcomp.progress import ProgressReporter
 from fedcomp.results import build_results, write_results
@@ -35,8 +37,6 @@ from fedcomp.settings import (
 )
 from fedcomp.training import evaluate, select_device
 from strategies.inner import make_inner_strategy
-from strategies.records import fmt
-from strategies.wrapper import CompressedStrategy
 
 log = logging.getLogger(__name__)
 

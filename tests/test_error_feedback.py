@@ -9,15 +9,15 @@ import torch
 from flwr.app import ArrayRecord, Message, MessageType
 
 from clients.client_app import make_client_app
-from clients.memory_state import MemoryState, load_memory
 from experiments.inprocess import InProcessGrid, Spy
 from fedcomp.codecs import ErrorFeedback, decode_bytes, make_codec
+from fedcomp.flower.memory_state import MemoryState, load_memory
+from fedcomp.flower.strategy import CompressedStrategy
 from fedcomp.keys import KEY_STABLE_ID, RECORD_HEADER, RECORD_PAYLOAD
 from fedcomp.models import build_model
 from fedcomp.settings import settings_from_dict
 from strategies.inner import make_inner_strategy
 from strategies.server_app import client_task
-from strategies.wrapper import CompressedStrategy
 
 
 @pytest.mark.parametrize("inner", [{"inner": "sign", "block": 16}, {"inner": "topk", "k": 5}])

@@ -11,11 +11,11 @@ from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 from clients.client_app import make_client_app
 from clients.faults import KINDS, draw_fault
 from experiments.inprocess import InProcessGrid, Spy, initial_arrays
+from fedcomp.flower.strategy import CompressedStrategy
 from fedcomp.keys import KEY_NUM_EXAMPLES
 from fedcomp.settings import settings_from_dict, validate
 from strategies.inner import make_inner_strategy
 from strategies.server_app import client_task
-from strategies.wrapper import CompressedStrategy
 from tests.test_residual_protocol import _assert_mirrors_match
 from tests.test_residual_protocol import run_rounds as _rounds
 

@@ -27,8 +27,8 @@ from experiments.fuzzing import FLOATS, mutate
 from experiments.memory import address_space_cap
 from fedcomp.codecs import PayloadError, TensorPolicy, decode_bytes, make_codec, parse_payload
 from fedcomp.failures import Rejection
+from fedcomp.flower.validation import decode_payloads
 from fedcomp.rng import derive_seed
-from strategies.validation import decode_payloads
 
 EXAMPLES = int(os.environ.get("FEDCOMP_FUZZ_EXAMPLES", "100"))
 HEADROOM = 256 << 20

@@ -56,7 +56,7 @@ def lost_round():
 def test_hostile_replies_are_failures_of_their_kind_and_change_nothing(
     behaviour, kind, per_client, lost_round, caplog
 ):
-    caplog.set_level(logging.WARNING, logger="strategies.wrapper")
+    caplog.set_level(logging.WARNING, logger="fedcomp.flower.strategy")
     strategy, result, peak = run_round(UNIFORM, behaviour)
     record = strategy.rounds[0]
     rejected = len(HOSTILE) * per_client
@@ -85,7 +85,7 @@ def test_a_decoder_bug_is_that_clients_failure_only(lost_round, caplog, monkeypa
         return _map_payloads(reply, instruction, lambda name, buf: buf.__setitem__(-1, 0xFF))
 
     monkeypatch.setattr(UniformCodec, "decode_payload", classmethod(flaky))
-    caplog.set_level(logging.ERROR, logger="strategies.wrapper")
+    caplog.set_level(logging.ERROR, logger="fedcomp.flower.strategy")
     strategy, result, _ = run_round(UNIFORM, mark)
     record = strategy.rounds[0]
     assert record["rejected"].get(Failure.UNEXPECTED, 0) >= len(HOSTILE)

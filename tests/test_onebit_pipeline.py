@@ -11,6 +11,8 @@ from flwr.app import Array, ArrayRecord, Message, RecordDict
 from clients.client_app import make_client_app
 from experiments.inprocess import InProcessGrid, Spy, initial_arrays
 from fedcomp.codecs import TensorPolicy
+from fedcomp.flower.joint import joint_names
+from fedcomp.flower.strategy import CompressedStrategy
 from fedcomp.keys import (
     KEY_JOINT_CLIENTS,
     KEY_JOINT_INDEX,
@@ -22,9 +24,7 @@ from fedcomp.onebit import OneBitCode
 from fedcomp.onebit.federated import joint_seed, unpack_taus
 from fedcomp.settings import settings_from_dict
 from strategies.inner import make_inner_strategy
-from strategies.joint import joint_names
 from strategies.server_app import client_task
-from strategies.wrapper import CompressedStrategy
 
 N = 6
 SPEC = {"name": "onebit", "bits": 2, "center": "previous", "tau_prior": 0.003, "block": 512}

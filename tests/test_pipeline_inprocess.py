@@ -22,10 +22,11 @@ from flwr.serverapp.strategy import FedAvg, FedMedian
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
 from clients.client_app import make_client_app
-from clients.mod import CompressionMod
 from experiments.inprocess import NODE_IDS, InProcessGrid, Spy, initial_arrays
 from fedcomp.codecs import decode_bytes, make_codec
 from fedcomp.codecs.wire import HEADER_FIXED_BYTES
+from fedcomp.flower.mod import CompressionMod
+from fedcomp.flower.strategy import CompressedStrategy
 from fedcomp.keys import (
     KEY_NUM_EXAMPLES,
     KEY_STABLE_ID,
@@ -37,7 +38,6 @@ from fedcomp.models import build_model
 from fedcomp.settings import Settings, settings_from_dict
 from strategies.inner import make_inner_strategy
 from strategies.server_app import client_task, run_server
-from strategies.wrapper import CompressedStrategy
 
 U32 = 2.0**-24  # unit roundoff of float32
 N = 4
@@ -290,7 +290,7 @@ def test_the_mod_leaves_other_message_types_alone() -> None:
 
 
 def test_pre_aggregated_rejects_strategies_that_are_not_means() -> None:
-    with pytest.raises(ValueError, match="strategy.name='fedmedian'.*mean-based"):
+    with pytest.raises(ValueError, match=r"strategy\.name='fedmedian'.*mean-based"):
         CompressedStrategy(
             FedMedian(),
             codec={"name": "fp32"},

@@ -11,14 +11,14 @@ import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 
 from clients.client_app import make_client_app
-from clients.memory_state import load_memory
 from experiments.inprocess import InProcessGrid
 from fedcomp.controlvariates import Mirror
+from fedcomp.flower.memory_state import load_memory
+from fedcomp.flower.strategy import CompressedStrategy
 from fedcomp.models import build_model
 from fedcomp.settings import Settings, settings_from_dict
 from strategies.inner import make_inner_strategy
 from strategies.server_app import client_task
-from strategies.wrapper import CompressedStrategy
 
 N = 4
 CODEC = {"name": "residual", "inner": "uniform", "bits": 2, "block": 64}

@@ -32,11 +32,12 @@ from fedcomp.codecs.memory import ErrorFeedback, Memory
 from fedcomp.codecs.policy import TensorPolicy
 from fedcomp.codecs.residual import ResidualMemory
 from fedcomp.codecs.wire import Payload, PayloadError, PayloadHeader, parse_payload
+from fedcomp.rules import JOINT_CODES as _JOINT_CODES
 
 #: Memory names accepted by make_codec, with the inner codec given as ``inner=<name>``.
 MEMORIES = ("ef", "residual")
 #: Joint codes: no per-client decoder; the server decodes all replies together.
-JOINT_CODES = ("onebit",)
+JOINT_CODES = _JOINT_CODES
 
 
 def make_joint_code(name: str, **params: Any):

@@ -8,7 +8,8 @@ queries, and only the server, holding every reply, can decode the mean. The surf
 - :meth:`OneBitCode.decode_mean` (server): the payloads that arrived, their positions,
   the same public parameters -> the weighted mean;
 - :meth:`OneBitCode.check` validates one reply on its own (the wrapper drops bad
-  replies and the decoder switches to the ratio estimator), and
+  replies like lost ones; the decoder's Horvitz-Thompson weights use the planned
+  inclusion probabilities), and
   :meth:`OneBitCode.next_tau` turns the replies' scale codes into the next round's tau.
 
 Payload body (after the common wire header, whose seed field carries the public seed)::

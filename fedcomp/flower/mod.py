@@ -3,10 +3,10 @@
 Add it to any ClientApp whose train handler replies with one ArrayRecord (the
 trained model) and one MetricRecord holding ``num-examples``::
 
-    from clients.mod import CompressionMod
+    from fedcomp.flower.mod import CompressionMod
     app = ClientApp(mods=[CompressionMod()])
 
-On the server, wrap the strategy with ``strategies.wrapper.CompressedStrategy``:
+On the server, wrap the strategy with ``fedcomp.flower.strategy.CompressedStrategy``:
 it sends the codec spec this mod needs (``KEY_CODEC``); without it the mod answers
 with an Error naming the wrapper, as Flower's central-DP mods do.
 """
@@ -34,15 +34,6 @@ from flwr.app import (
 from flwr.clientapp.typing import ClientAppCallable
 from flwr.common.constant import ErrorCode
 
-from clients.identity import stable_id_of
-from clients.memory_state import (
-    MemoryState,
-    load_memory,
-    load_memory_file,
-    memory_path,
-    save_memory_file,
-    store_memory,
-)
 from fedcomp.codecs import (
     Codec,
     ErrorFeedback,
@@ -58,6 +49,15 @@ from fedcomp.codecs.residual import (
     SYNC_RESTART,
     apply_residual,
     state_checksum,
+)
+from fedcomp.flower.identity import stable_id_of
+from fedcomp.flower.memory_state import (
+    MemoryState,
+    load_memory,
+    load_memory_file,
+    memory_path,
+    save_memory_file,
+    store_memory,
 )
 from fedcomp.keys import (
     KEY_ACK_ROUND,
@@ -94,7 +94,7 @@ from fedcomp.onebit import OneBitCode
 from fedcomp.onebit.federated import joint_seed, out_of_range_fraction, unpack_taus
 from fedcomp.rng import derive_seed
 
-_WRAPPER = "strategies.wrapper.CompressedStrategy"
+_WRAPPER = "fedcomp.flower.strategy.CompressedStrategy"
 
 
 @dataclass

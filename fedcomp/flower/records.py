@@ -8,6 +8,7 @@ from typing import Any
 from flwr.app import ArrayRecord, MetricRecord, RecordDict
 
 from fedcomp.controlvariates import ControlVariateServer
+from fedcomp.flower.accounting import wire_bytes
 from fedcomp.keys import (
     METRIC_CODEC_BYTES,
     METRIC_CV_BOUND,
@@ -23,7 +24,6 @@ from fedcomp.keys import (
     RECORD_PAYLOAD,
 )
 from fedcomp.results import RoundCounts
-from strategies.accounting import wire_bytes
 
 #: Client metrics copied into each client's row (without the "fedcomp." prefix).
 _COPIED = (

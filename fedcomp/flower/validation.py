@@ -63,7 +63,7 @@ def check_reply(
     header = content.config_records.get(RECORD_HEADER)
     if header is None:
         raise ReplyError(
-            f"no '{RECORD_HEADER}' record: add clients.mod.CompressionMod to the ClientApp",
+            f"no '{RECORD_HEADER}' record: add fedcomp.flower.CompressionMod to the ClientApp",
             Failure.MISSING_MOD,
         )
     if header.get(KEY_PROTOCOL) != PROTOCOL_VERSION:

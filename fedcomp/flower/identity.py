@@ -1,14 +1,65 @@
-"""Learning each node's stable id at first contact (a Flower query message)."""
+"""Stable client ids, both halves: what reproducible randomness and server state are
+keyed on.
+
+Flower's node ids are random per run, so they never key anything that must be
+reproducible. A node's stable id is its node config's ``stable-id`` when set, else its
+``partition-id`` (what simulation and the deployment launcher set). The client half
+reads it from the Context (:func:`stable_id_of`); the server half learns each node's id
+at first contact and maps between the two (:class:`StableIds`).
+"""
 
 from __future__ import annotations
 
 import logging
 import time
 
-from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
-from fedcomp.keys import KEY_QUERY, KEY_STABLE_ID, QUERY_IDENTITY, RECORD_IDENTITY
+from fedcomp.keys import (
+    KEY_QUERY,
+    KEY_STABLE_ID,
+    NODE_CONFIG_PARTITION_ID,
+    NODE_CONFIG_STABLE_ID,
+    QUERY_IDENTITY,
+    RECORD_IDENTITY,
+)
+
+# --- client half ---------------------------------------------------------------------
+
+
+def stable_id_of(context: Context) -> int:
+    """The stable id of the node running this ClientApp.
+
+    Raises
+    ------
+    ValueError
+        When the node config names neither a stable id nor a partition id.
+    """
+    node_config = context.node_config
+    for key in (NODE_CONFIG_STABLE_ID, NODE_CONFIG_PARTITION_ID):
+        if key in node_config:
+            value = node_config[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"node config {key}={value!r} is not a non-negative integer")
+            return value
+    raise ValueError(
+        f"node config has neither '{NODE_CONFIG_STABLE_ID}' nor '{NODE_CONFIG_PARTITION_ID}'; "
+        'start the SuperNode with --node-config "partition-id=<i> num-partitions=<n>"'
+    )
+
+
+def partition_id_of(context: Context) -> int:
+    """The data partition this node trains on (``partition-id``)."""
+    value = context.node_config.get(NODE_CONFIG_PARTITION_ID)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(
+            f"node config {NODE_CONFIG_PARTITION_ID}={value!r} is not a valid partition id"
+        )
+    return value
+
+
+# --- server half ---------------------------------------------------------------------
 
 log = logging.getLogger(__name__)
 

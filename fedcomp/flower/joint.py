@@ -1,8 +1,8 @@
 """The wrapper's joint-decoding path for the one-bit code.
 
 A joint code cannot be decoded per reply: the wrapper validates each reply's one-bit
-payloads against the round's public plan (a bad reply is dropped, and the decoder
-switches to the ratio estimator), decodes the raw tensors as usual, then decodes the
+payloads against the round's public plan (a bad reply is dropped like a lost one:
+the decoder's Horvitz-Thompson weights use the planned inclusion probabilities), decodes the raw tensors as usual, then decodes the
 mean of every jointly coded tensor from all accepted replies at once and hands the
 inner strategy one pre-aggregated reply.
 """
@@ -18,9 +18,9 @@ from flwr.app import ArrayRecord
 
 from fedcomp.codecs import PayloadError, TensorPolicy, parse_payload
 from fedcomp.failures import Failure
+from fedcomp.flower.validation import ReplyError, _check_header, decode_payloads
 from fedcomp.onebit import OneBitCode
 from fedcomp.onebit.federated import JointServerState, joint_seed
-from strategies.validation import ReplyError, _check_header, decode_payloads
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """CompressedStrategy: the server half of fedcomp, wrapping any Flower strategy.
 
-Pair it with ``clients.mod.CompressionMod`` on the ClientApp::
+Pair it with ``fedcomp.flower.mod.CompressionMod`` on the ClientApp::
 
     strategy = CompressedStrategy(FedAvg(), codec={"name": "fp32"}, run_seed=0,
                                   expected_nodes=10)
@@ -56,6 +56,11 @@ from fedcomp.codecs import (
 from fedcomp.codecs.residual import SYNC_FULL, SYNC_RESTART
 from fedcomp.controlvariates import ControlVariateServer, MirrorStore, PendingMirror
 from fedcomp.failures import Failure, failure_of
+from fedcomp.flower.accounting import record_bytes, wire_bytes
+from fedcomp.flower.identity import StableIds
+from fedcomp.flower.joint import JointRound, joint_mean, plan_round, split_reply
+from fedcomp.flower.records import account_reply, empty_client_row, log_line, round_record
+from fedcomp.flower.validation import ReplyError, check_reply, compressed_names, decode_payloads
 from fedcomp.keys import (
     FAULT_REASON_PREFIX,
     KEY_ACK_ROUND,
@@ -82,11 +87,6 @@ from fedcomp.results import RoundCounts
 from fedcomp.rng import numpy_generator
 from fedcomp.rules import check_server_options
 from fedcomp.trees.aggregate import TreeConfig, TreeStats, tree_mean
-from strategies.accounting import record_bytes, wire_bytes
-from strategies.identity import StableIds
-from strategies.joint import JointRound, joint_mean, plan_round, split_reply
-from strategies.records import account_reply, empty_client_row, log_line, round_record
-from strategies.validation import ReplyError, check_reply, compressed_names, decode_payloads
 
 log = logging.getLogger(__name__)
 
