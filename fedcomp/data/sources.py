@@ -85,7 +85,7 @@ CATALOG: dict[str, DatasetSpec] = {
     ),
 }
 
-#: How to put each hub dataset on disk (quoted in the errors and in the README).
+#: How to put each hub dataset on disk (quoted in the errors and in docs/experiments.md).
 GET_DATA = {
     "femnist": (
         'python -c "from datasets import load_dataset; '
