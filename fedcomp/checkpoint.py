@@ -2,8 +2,9 @@
 after every round, so ``resume=<run dir>`` continues a stopped run.
 
 Layout in ``<run dir>/checkpoint/``: ``model.npz`` (the global arrays) and
-``state.pkl`` (round number, the wrapper's and the inner strategy's state, the round
-records, the initial evaluation, the settings). Both are written to temporary files and
+``state.pkl`` (round number, the settings, and the wrapper's state as plain data: the
+inner Flower strategy's state through an explicit adapter, never the pickled object;
+the round records and the initial evaluation). Both are written to temporary files and
 renamed, ``state.pkl`` last: it names the round the model belongs to, so a crash while
 writing leaves the previous complete checkpoint. The counter-based randomness needs
 nothing saved. ``state.pkl`` is a pickle: load only checkpoints you wrote yourself.
@@ -38,9 +39,6 @@ class Checkpoint:
     round: int
     arrays: dict[str, np.ndarray]
     strategy: dict[str, Any]
-    inner: Any
-    rounds: list[dict[str, Any]]
-    initial_evaluation: dict[str, float] | None
     settings: dict[str, Any]
 
 
@@ -58,9 +56,6 @@ def save_checkpoint(run_dir: str | Path, ckpt: Checkpoint) -> None:
     state = {
         "round": ckpt.round,
         "strategy": ckpt.strategy,
-        "inner": ckpt.inner,
-        "rounds": ckpt.rounds,
-        "initial_evaluation": ckpt.initial_evaluation,
         "settings": ckpt.settings,
     }
     tmp = folder / "state.tmp.pkl"
@@ -89,6 +84,11 @@ def load_checkpoint(run_dir: str | Path) -> Checkpoint:
         )
     with open(state_path, "rb") as fh:
         state = pickle.load(fh)
+    if "inner" in state:  # the first format pickled the Flower strategy object itself
+        raise ValueError(
+            f"resume={run_dir}: this checkpoint was written by an older fedcomp (it holds "
+            "a pickled Flower strategy); rerun the job to resume it with this version"
+        )
     model_path = folder / f"model-{state['round']:05d}.npz"
     if not model_path.exists():
         raise FileNotFoundError(f"resume={run_dir}: {model_path} is missing")

@@ -96,16 +96,14 @@ def _checkpoint(run_dir: Path, strategy: CompressedStrategy, settings: Settings)
             round=strategy.rounds[-1]["round"],
             arrays={k: np.asarray(v.numpy()) for k, v in arrays.items()},
             strategy=strategy.state_dict(),
-            inner=strategy.strategy,
-            rounds=list(strategy.rounds),
-            initial_evaluation=strategy.initial_evaluation,
             settings=settings_to_dict(settings),
         ),
     )
 
 
-def _resume(settings: Settings, strategy: CompressedStrategy) -> tuple[ArrayRecord, int]:
-    """Restore a stopped run's state into ``strategy``; the model and the next round."""
+def _resume(settings: Settings, strategy: CompressedStrategy) -> ArrayRecord:
+    """Restore a stopped run's state into ``strategy`` (which then starts after the
+    checkpoint's round); return the model."""
     ckpt = load_checkpoint(settings.resume)
     check_compatible(ckpt.settings, settings_to_dict(settings))
     old_states = ckpt.settings.get("client_state_dir") or ""
@@ -118,14 +116,10 @@ def _resume(settings: Settings, strategy: CompressedStrategy) -> tuple[ArrayReco
             f"resume={settings.resume}: the run already finished round {ckpt.round} of "
             f"num_rounds={settings.num_rounds}; raise num_rounds to continue it"
         )
-    strategy.load_state_dict(ckpt.strategy)
-    strategy.strategy = ckpt.inner  # the inner strategy's own state (FedAdam moments ...)
-    strategy.rounds = list(ckpt.rounds)
-    strategy.initial_evaluation = ckpt.initial_evaluation
+    strategy.load_state_dict(ckpt.strategy)  # the inner strategy's state included
     log.info("resuming %s after round %d of %d", settings.resume, ckpt.round,
              settings.num_rounds)
-    arrays = ArrayRecord({k: Array(v) for k, v in ckpt.arrays.items()})
-    return arrays, ckpt.round + 1
+    return ArrayRecord({k: Array(v) for k, v in ckpt.arrays.items()})
 
 
 def build_strategy(
@@ -176,9 +170,8 @@ def run_server(
     strategy = build_strategy(settings, on_round=round_done)
     with torch.no_grad():
         initial = ArrayRecord(model.state_dict())
-    first_round = 1
     if settings.resume:
-        initial, first_round = _resume(settings, strategy)
+        initial = _resume(settings, strategy)
     try:
         strategy.start(
             grid=grid,
@@ -186,7 +179,6 @@ def run_server(
             num_rounds=settings.num_rounds,
             timeout=settings.simulation.round_timeout,
             evaluate_fn=make_evaluate_fn(settings),
-            first_round=first_round,
         )
     finally:
         progress.close()

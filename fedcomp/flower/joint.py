@@ -1,10 +1,10 @@
 """The wrapper's joint-decoding path for the one-bit code.
 
 A joint code cannot be decoded per reply: the wrapper validates each reply's one-bit
-payloads against the round's public plan (a bad reply is dropped like a lost one:
-the decoder's Horvitz-Thompson weights use the planned inclusion probabilities), decodes the raw tensors as usual, then decodes the
-mean of every jointly coded tensor from all accepted replies at once and hands the
-inner strategy one pre-aggregated reply.
+payloads against the round's public plan (a bad reply is dropped like a lost one: the
+decoder's Horvitz-Thompson weights use the planned inclusion probabilities), decodes the
+raw tensors as usual, then decodes the mean of every jointly coded tensor from all
+accepted replies at once and hands the inner strategy one pre-aggregated reply.
 """
 
 from __future__ import annotations

@@ -58,6 +58,7 @@ from fedcomp.controlvariates import ControlVariateServer, MirrorStore, PendingMi
 from fedcomp.failures import Failure, failure_of
 from fedcomp.flower.accounting import record_bytes, wire_bytes
 from fedcomp.flower.identity import StableIds
+from fedcomp.flower.inner_state import inner_state_dict, load_inner_state_dict
 from fedcomp.flower.joint import JointRound, joint_mean, plan_round, split_reply
 from fedcomp.flower.records import account_reply, empty_client_row, log_line, round_record
 from fedcomp.flower.validation import ReplyError, check_reply, compressed_names, decode_payloads
@@ -259,6 +260,8 @@ class CompressedStrategy(Strategy):
         self.initial_evaluation: dict[str, float] | None = None
         self._num_rounds = 0
         self._offset = 0
+        #: The last round a loaded checkpoint holds (0: a new run).
+        self._completed_round = 0
         self.last_arrays: ArrayRecord | None = None
         self._state: _RoundState | None = None
 
@@ -283,14 +286,16 @@ class CompressedStrategy(Strategy):
         train_config: ConfigRecord | None = None,
         evaluate_config: ConfigRecord | None = None,
         evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
-        first_round: int = 1,
+        first_round: int | None = None,
     ) -> Result:
         """Learn stable ids at first contact, then run Flower's round loop.
 
-        ``first_round > 1`` resumes a run: Flower's loop counts from 1 again, the
-        wrapper (records, seeds, sampling, the inner strategy) sees the real round
-        numbers ``first_round .. num_rounds``.
+        After :meth:`load_state_dict` the run resumes after the last round the state
+        holds: Flower's loop counts from 1 again, the wrapper (records, seeds, sampling,
+        the inner strategy) sees the real round numbers. ``first_round`` overrides it.
         """
+        if first_round is None:
+            first_round = self._completed_round + 1
         if not 1 <= first_round <= num_rounds:
             raise ValueError(f"first_round={first_round} is not in 1..{num_rounds}")
         self._num_rounds = num_rounds
@@ -694,15 +699,28 @@ class CompressedStrategy(Strategy):
         return self.strategy.aggregate_train(server_round, replies)
 
     def state_dict(self) -> dict[str, Any]:
-        """The wrapper's own state (for checkpoints); public randomness needs none."""
+        """Everything a resumed run needs, as plain data (public randomness needs none):
+        acknowledgements, mirrors, tree statistics, one-bit state, the inner strategy's
+        state through its adapter (fedcomp.flower.inner_state; an unsupported class is
+        refused by name), the round records and the last completed round."""
         return {
             "accepted_round": dict(self.accepted_round),
             "cv": self.cv.state_dict() if self.cv is not None else None,
             "tree_stats": self.tree_stats.state_dict(),
             "joint": self.joint_state.state_dict() if self.joint_state is not None else None,
+            "inner": inner_state_dict(self.strategy),
+            "rounds": list(self.rounds),
+            "initial_evaluation": self.initial_evaluation,
+            "completed_round": self.rounds[-1]["round"] if self.rounds else 0,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output into a wrapper built with the same
+        settings; :meth:`start` then continues after the completed round."""
+        load_inner_state_dict(self.strategy, state["inner"])
+        self.rounds = list(state["rounds"])
+        self.initial_evaluation = state["initial_evaluation"]
+        self._completed_round = int(state["completed_round"])
         self.accepted_round = {int(k): int(v) for k, v in state["accepted_round"].items()}
         if self.cv is not None and state.get("cv") is not None:
             self.cv.load_state_dict(state["cv"])
