@@ -13,7 +13,15 @@ from __future__ import annotations
 import struct
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+from flwr.app import (
+    Array,
+    ArrayRecord,
+    ConfigRecord,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
 
 from clients.client_app import make_client_app
 from experiments.inprocess import InProcessGrid, initial_arrays, set_task_identity
@@ -134,9 +142,9 @@ SCENARIOS = [
 ]
 
 
-def _hostile(behaviour):
+def _hostile(behaviour, kind: str = MessageType.TRAIN):
     def tamper(pid, reply, instruction):
-        hostile = pid in HOSTILE and instruction.metadata.message_type == MessageType.TRAIN
+        hostile = pid in HOSTILE and instruction.metadata.message_type == kind
         if not hostile or reply.has_error():
             return reply
         return None if behaviour is None else behaviour(pid, reply, instruction)
@@ -144,26 +152,36 @@ def _hostile(behaviour):
     return tamper
 
 
-def run_round(codec, behaviour, *, handoff="per_client", rounds=1, on_grid=None):
+def run_round(
+    codec, behaviour, *, handoff="per_client", rounds=1, on_grid=None, evaluate=False, tamper=None
+):
     """``rounds`` rounds through CompressedStrategy.start; the hostile clients act in
-    the last one (and are honest before). Returns the strategy, the result and the
-    server's peak memory while aggregating that round."""
+    the last one (and are honest before), on the train replies or, with ``evaluate``,
+    on the evaluate replies (every client then evaluates). ``tamper`` replaces the
+    hostile-clients tamperer for every round. Returns the strategy, the
+    result and the server's peak memory while aggregating that round's train replies."""
     set_task_identity()  # module-scoped fixtures run before conftest's autouse one
+    fraction_evaluate = 1.0 if evaluate else 0.0
     settings = settings_from_dict(
-        {"num_clients": N, "fraction_evaluate": 0.0, "codec": codec, "train": {"local_epochs": 1}}
+        {
+            "num_clients": N,
+            "fraction_evaluate": fraction_evaluate,
+            "codec": codec,
+            "train": {"local_epochs": 1},
+        }
     )
-    tamper = _hostile(behaviour)
+    hostile = _hostile(behaviour, MessageType.EVALUATE if evaluate else MessageType.TRAIN)
     grid = InProcessGrid(
         make_client_app(),
         N,
-        tamper=lambda pid, r, i: tamper(pid, r, i) if _round_of(i) == rounds else r,
+        tamper=tamper or (lambda pid, r, i: hostile(pid, r, i) if _round_of(i) == rounds else r),
     )
     strategy = CompressedStrategy(
         make_inner_strategy({"name": "fedavg"}, N),
         codec=codec,
         run_seed=settings.seed,
         expected_nodes=N,
-        fraction_evaluate=0.0,
+        fraction_evaluate=fraction_evaluate,
         handoff=handoff,
         task=client_task(settings),
         identity_timeout=5,
@@ -226,3 +244,24 @@ def residual_liars(pid, reply, instruction):
     return huge_values(pid, reply, instruction)
 
 
+
+
+def _metrics(reply: Message, instruction: Message, change) -> Message:
+    metrics = MetricRecord(dict(reply.content["metrics"]))
+    change(metrics)
+    return _replace(reply, instruction, metrics=metrics)
+
+
+def extra_metric(pid, reply, instruction):
+    """An evaluate reply with one more metric name than the others."""
+    return _metrics(reply, instruction, lambda m: m.__setitem__("surprise", 1.0))
+
+
+def nan_metric(pid, reply, instruction):
+    """An evaluate reply with a NaN loss."""
+    return _metrics(reply, instruction, lambda m: m.__setitem__("eval_loss", float("nan")))
+
+
+def two_metric_records(pid, reply, instruction):
+    """An evaluate reply with a second MetricRecord."""
+    return _replace(reply, instruction, more=MetricRecord({"num-examples": 1}))

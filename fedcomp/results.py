@@ -108,6 +108,8 @@ class RoundCounts:
     aggregate_s: float = 0.0
     client_accuracy: float | None = None
     client_loss: float | None = None
+    #: Every aggregated client-evaluation metric (scalar ones).
+    client_metrics: dict[str, float] = field(default_factory=dict)
     diagnostics: dict[str, float] | None = None
     tree: dict[str, Any] | None = None
     joint: dict[str, Any] | None = None

@@ -24,12 +24,15 @@ from experiments.hostile import (
     UNIFORM,
     N,
     _map_payloads,
+    extra_metric,
     max_everything,
+    nan_metric,
     onebit_bomb,
     residual_liars,
     run_round,
     same_arrays,
     twice,
+    two_metric_records,
     wrong_round,
 )
 from fedcomp.failures import Failure
@@ -131,3 +134,40 @@ def test_residual_liars_never_move_a_mirror_nor_the_model():
     # pending on the client until the next ack), the liars' at round 1's.
     assert checked == [N]
     assert all(strategy.cv.store.get(sid).version == 1 for sid in HOSTILE)
+
+
+@pytest.mark.parametrize(
+    "behaviour",
+    [extra_metric, nan_metric, two_metric_records, twice],
+    ids=lambda b: b.__name__,
+)
+def test_hostile_evaluate_replies_are_set_aside_and_the_run_goes_on(behaviour, caplog):
+    """Flower's aggregation raises on inconsistent evaluate replies (which ended the
+    ServerApp): they are set aside, logged, and the metrics are the honest clients'."""
+    caplog.set_level(logging.WARNING, logger="fedcomp.flower.strategy")
+    lost, _, _ = run_round(UNIFORM, None, evaluate=True)
+    strategy, _, _ = run_round(UNIFORM, behaviour, evaluate=True)
+    got, want = strategy.rounds[0], lost.rounds[0]
+    assert got["client_metrics"] == want["client_metrics"] != {}
+    assert got["client_accuracy"] == want["client_accuracy"] is not None
+    assert sum("evaluate reply of client" in m for m in caplog.messages) >= len(HOSTILE)
+
+
+def test_a_run_that_accepted_no_reply_fails_loudly(caplog):
+    """Every reply without the mod's header (as from a ClientApp without
+    CompressionMod): each round line is a warning, and start() raises, naming why."""
+    from flwr.app import Message, RecordDict
+
+    from experiments.hostile import _hostile
+    from fedcomp.keys import RECORD_HEADER
+
+    def no_mod(pid, reply, instruction):
+        content = RecordDict({k: v for k, v in reply.content.items() if k != RECORD_HEADER})
+        return Message(content, reply_to=instruction)
+
+    caplog.set_level(logging.WARNING, logger="fedcomp.flower.strategy")
+    tamper = _hostile(no_mod)
+    every = N * 2  # all 13 clients, 2 rounds
+    with pytest.raises(RuntimeError, match=rf"in any of the 2 .*missing_mod {every}\b"):
+        run_round(UNIFORM, None, rounds=2, tamper=lambda pid, r, i: tamper(pid % 3 + 10, r, i))
+    assert sum("NO REPLY ACCEPTED" in m for m in caplog.messages) == 2

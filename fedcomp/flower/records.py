@@ -124,6 +124,7 @@ def round_record(
         "loss": central.get("loss"),
         "client_accuracy": counts.client_accuracy,
         "client_loss": counts.client_loss,
+        "client_metrics": dict(counts.client_metrics),
         "uplink_codec_bytes": sum(r["uplink_codec_bytes"] for r in rows),
         "uplink_record_bytes": sum(r["uplink_record_bytes"] for r in rows),
         "uplink_wire_bytes": sum(r["uplink_wire_bytes"] for r in rows),

@@ -61,7 +61,14 @@ from fedcomp.flower.identity import StableIds
 from fedcomp.flower.inner_state import inner_state_dict, load_inner_state_dict
 from fedcomp.flower.joint import JointRound, joint_mean, plan_round, split_reply
 from fedcomp.flower.records import account_reply, empty_client_row, log_line, round_record
-from fedcomp.flower.validation import ReplyError, check_reply, compressed_names, decode_payloads
+from fedcomp.flower.validation import (
+    ReplyError,
+    check_evaluate_reply,
+    check_reply,
+    compressed_names,
+    decode_payloads,
+    majority_keys,
+)
 from fedcomp.keys import (
     FAULT_REASON_PREFIX,
     KEY_ACK_ROUND,
@@ -260,6 +267,8 @@ class CompressedStrategy(Strategy):
         self.initial_evaluation: dict[str, float] | None = None
         self._num_rounds = 0
         self._offset = 0
+        #: Stable ids sent an evaluate instruction in the current round.
+        self._evaluate_sent: set[int] = set()
         #: The last round a loaded checkpoint holds (0: a new run).
         self._completed_round = 0
         self.last_arrays: ArrayRecord | None = None
@@ -311,7 +320,7 @@ class CompressedStrategy(Strategy):
             self._close_round(server_round, result)
             return result
 
-        return super().start(
+        result = super().start(
             grid,
             initial_arrays,
             num_rounds - self._offset,
@@ -320,6 +329,8 @@ class CompressedStrategy(Strategy):
             evaluate_config,
             evaluate_and_close,
         )
+        _fail_if_nothing_learned(self.rounds[self._offset :])
+        return result
 
     # ------------------------------------------------------------------ sampling
 
@@ -739,6 +750,7 @@ class CompressedStrategy(Strategy):
         if not template:
             return []
         selected = self._sample(server_round, self.fraction_evaluate, "evaluate-sample")
+        self._evaluate_sent = set(selected)
         return list(
             self._per_client_messages(
                 template, selected, server_round, MessageType.EVALUATE
@@ -748,21 +760,68 @@ class CompressedStrategy(Strategy):
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
-        """Aggregate client evaluation metrics in stable-id order."""
+        """Aggregate client evaluation metrics in stable-id order.
+
+        Replies are checked first (asked this round, one per client, one MetricRecord
+        of finite numbers with a positive example count, the metric names most replies
+        carry): Flower's aggregation raises on inconsistent replies, which would end
+        the ServerApp. A failed evaluation never stops the run. Every aggregated metric
+        is recorded (``client_metrics``); the round line shows the first of
+        ``ACCURACY_KEYS`` and ``LOSS_KEYS`` present.
+        """
         server_round += self._offset
-        valid = []
-        for msg in replies:
-            sid = self.ids.stable_of(msg.metadata.src_node_id)
-            if msg.has_error() or sid is None:
+        valid = self._valid_evaluate_replies(list(replies), server_round)
+        try:
+            metrics = self.strategy.aggregate_evaluate(server_round, valid)
+        except Exception as exc:  # evaluation is a report: it must not end the run
+            log.error("round %d: client evaluation not aggregated: %s", server_round, exc)
+            return None
+        if self._state is not None and self._state.number == server_round and metrics:
+            record = self._state.record
+            record.client_metrics = {k: v for k, v in metrics.items() if not isinstance(v, list)}
+            record.client_accuracy = _first_present(metrics, ACCURACY_KEYS)
+            record.client_loss = _first_present(metrics, LOSS_KEYS)
+        return metrics
+
+    def _valid_evaluate_replies(self, replies: list[Message], server_round: int) -> list[Message]:
+        """The evaluate replies fit to aggregate, sorted by stable id (see above)."""
+        sids = [self.ids.stable_of(m.metadata.src_node_id) for m in replies]
+        repeats = Counter(sids)
+        checked = []
+        for sid, msg in zip(sids, replies, strict=True):
+            if msg.has_error():
                 log.warning("round %d: evaluation failed on client %s", server_round, sid)
                 continue
-            valid.append((sid, msg))
-        valid.sort(key=lambda pair: pair[0])
-        metrics = self.strategy.aggregate_evaluate(server_round, [m for _, m in valid])
-        if self._state is not None and self._state.number == server_round and metrics:
-            self._state.record.client_accuracy = metrics.get("eval_acc")
-            self._state.record.client_loss = metrics.get("eval_loss")
-        return metrics
+            try:
+                if sid is None or sid not in self._evaluate_sent:
+                    raise ReplyError("not asked to evaluate this round", Failure.NOT_ASKED)
+                if repeats[sid] > 1:
+                    raise ReplyError("more than one evaluate reply", Failure.DUPLICATE)
+                metrics = check_evaluate_reply(msg.content)
+            except ReplyError as exc:
+                log.warning(
+                    "round %d: evaluate reply of client %s set aside [%s]: %s",
+                    server_round,
+                    sid,
+                    exc.kind,
+                    exc,
+                )
+                continue
+            checked.append((sid, frozenset(metrics.keys()), msg))
+        if not checked:
+            return []
+        keys = majority_keys([k for _, k, _ in checked])
+        for sid, other, _ in checked:
+            if other != keys:
+                log.warning(
+                    "round %d: evaluate reply of client %s set aside: metric names %s, "
+                    "most replies carry %s",
+                    server_round,
+                    sid,
+                    sorted(other),
+                    sorted(keys),
+                )
+        return [m for _, k, m in sorted(checked, key=lambda c: c[0]) if k == keys]
 
     # ------------------------------------------------------------------ round records
 
@@ -793,12 +852,47 @@ class CompressedStrategy(Strategy):
         )
         self.rounds.append(record)
         self._state = None
-        log.info(log_line(record, self._num_rounds))
+        line = log_line(record, self._num_rounds)
+        if record["replied"] == 0:
+            log.warning("%s | NO REPLY ACCEPTED: the model did not change", line)
+        else:
+            log.info(line)
         if self.on_round is not None:
             self.on_round(record)
 
 
 _FP32 = make_codec_from_spec({"name": "fp32"})
+
+
+def _fail_if_nothing_learned(rounds: list[dict[str, Any]]) -> None:
+    """A run in which no round accepted a single reply cannot have learned: say so
+    loudly, with what the replies were rejected for, instead of ending as a success."""
+    if not rounds or any(r["replied"] > 0 for r in rounds):
+        return
+    rejected: Counter[str] = Counter()
+    for record in rounds:
+        rejected.update(record.get("rejected", {}))
+        rejected.update({k: v for k, v in record["faults"].items() if k != "rejected_reply"})
+    reasons = ", ".join(f"{k} {v}" for k, v in rejected.most_common()) or "no replies at all"
+    raise RuntimeError(
+        f"no reply was accepted in any of the {len(rounds)} round(s): the model never "
+        f"changed. Failures by kind: {reasons}. Check that the ClientApp has "
+        "fedcomp.flower.CompressionMod and the logs' rejected replies."
+    )
+
+
+#: Aggregated client-evaluation metrics the round line shows as client accuracy and
+#: loss: the first name present (Flower's quickstarts use eval_acc/eval_loss, others
+#: accuracy/loss). Every aggregated metric is recorded in ``client_metrics`` anyway.
+ACCURACY_KEYS = ("eval_acc", "accuracy", "eval_accuracy", "acc")
+LOSS_KEYS = ("eval_loss", "loss")
+
+
+def _first_present(metrics: MetricRecord, keys: tuple[str, ...]) -> float | None:
+    for key in keys:
+        if key in metrics and not isinstance(metrics[key], list):
+            return float(metrics[key])
+    return None
 
 
 def _int_field(header: ConfigRecord, key: str, default: int) -> int:

@@ -93,6 +93,34 @@ def check_reply(
     return header, metrics, float(weight), payloads
 
 
+def check_evaluate_reply(content: RecordDict, weighted_by: str = KEY_NUM_EXAMPLES) -> MetricRecord:
+    """An evaluate reply holds exactly one MetricRecord of finite numbers, with a
+    positive ``weighted_by`` count (what Flower's aggregation needs; anything else made
+    Flower raise and end the ServerApp)."""
+    if len(content.metric_records) != 1:
+        raise ReplyError(
+            f"an evaluate reply needs exactly one MetricRecord, got {len(content.metric_records)}"
+        )
+    (metrics,) = content.metric_records.values()
+    for key, value in metrics.items():
+        values = value if isinstance(value, list) else [value]
+        if not all(math.isfinite(v) for v in values):
+            raise ReplyError(f"evaluate metric {key}={value!r} is not finite", Failure.NONFINITE)
+    weight = metrics.get(weighted_by)
+    if isinstance(weight, list) or weight is None or not weight > 0:
+        raise ReplyError(f"invalid {weighted_by}={weight!r}", Failure.BAD_WEIGHT)
+    return metrics
+
+
+def majority_keys(key_sets: list[frozenset[str]]) -> frozenset[str]:
+    """The metric names most replies carry (ties: the smallest sorted tuple), so that
+    replies with other names can be set aside without depending on reply order."""
+    counts: dict[frozenset[str], int] = {}
+    for keys in key_sets:
+        counts[keys] = counts.get(keys, 0) + 1
+    return min(counts, key=lambda keys: (-counts[keys], tuple(sorted(keys))))
+
+
 def allowed_codecs(
     reference: np.ndarray, codec: Codec | None, policy: TensorPolicy | None
 ) -> tuple[Codec, ...]:
