@@ -184,3 +184,27 @@ def test_resume_from_a_checkpoint_equals_the_uninterrupted_run() -> None:
     assert [r["codec"]["restarts"] for r in fresh.rounds[2:]] == [N, 0]
     assert all(r["replied"] == N for r in fresh.rounds[2:])
     assert _assert_mirrors_match(fresh, grid3) == N
+
+
+@pytest.mark.parametrize("inner", ["fedadam", "fedyogi", "fedadagrad", "fedavgm"])
+def test_server_optimizers_keep_the_models_dtypes_and_every_reply(inner: str) -> None:
+    """Flower's FedOpt strategies return float64 models; before the cast, every residual
+    reply after round 1 failed the dtype check and the run silently stopped learning."""
+    settings = _settings(fraction_train=0.5)
+    grid = InProcessGrid(make_client_app(), N)
+    strategy = CompressedStrategy(
+        make_inner_strategy({"name": inner}, N),
+        codec=settings.codec,
+        run_seed=settings.seed,
+        expected_nodes=N,
+        fraction_train=0.5,
+        fraction_evaluate=0.0,
+        task=client_task(settings),
+        identity_timeout=5,
+    )
+    initial = _initial(settings)
+    out = run_rounds(strategy, grid, initial, range(1, 4))
+    assert [r["replied"] for r in strategy.rounds] == [N // 2] * 3
+    assert {k: out[k].dtype for k in out.keys()} == {k: initial[k].dtype for k in initial.keys()}
+    down = [r["downlink_record_bytes"] for r in strategy.rounds]
+    assert down[2] == down[1]  # no float64 model in later instructions

@@ -548,6 +548,8 @@ class CompressedStrategy(Strategy):
         state.record.clipped = self._clip_norms(decoded)
         t1 = time.perf_counter()
         arrays, metrics = self._hand_over(server_round, decoded, state)
+        if arrays is not None:  # FedAdam & co. compute in float64: keep the model's dtypes
+            arrays = _cast_like(arrays, state.global_arrays)
         aggregate_s = time.perf_counter() - t1
         if arrays is not None and not _all_finite(arrays):
             log.error(
@@ -913,6 +915,20 @@ def _update_norm(item: _Decoded) -> float:
                 if v.dtype.kind == "f"
             )
         )
+    )
+
+
+def _cast_like(arrays: ArrayRecord, reference: Mapping[str, np.ndarray]) -> ArrayRecord:
+    """The inner strategy's output in the global model's dtypes. Flower's FedOpt
+    strategies return float64 arrays: every later instruction would carry twice the
+    bytes, and every reply would fail the dtype check against the model."""
+    if all(np.asarray(v.numpy()).dtype == reference[k].dtype for k, v in arrays.items()):
+        return arrays
+    return ArrayRecord(
+        {
+            k: Array(np.asarray(v.numpy()).astype(reference[k].dtype, copy=False))
+            for k, v in arrays.items()
+        }
     )
 
 
