@@ -22,7 +22,7 @@ from tests.test_residual_protocol import run_rounds as _rounds
 N = 4
 
 
-def _setup(codec, faults=None, weight_cap=0.0, inner_mods=None, tamper=None):
+def _setup(codec, faults=None, weight_cap=0.0, inner_mods=None, tamper=None, norm_cap=0.0):
     settings = settings_from_dict(
         {
             "num_clients": N,
@@ -42,6 +42,7 @@ def _setup(codec, faults=None, weight_cap=0.0, inner_mods=None, tamper=None):
         task=client_task(settings),
         identity_timeout=5,
         weight_cap=weight_cap,
+        norm_cap=norm_cap,
     )
     return settings, grid, strategy
 
@@ -133,8 +134,7 @@ def test_an_absurd_update_is_clipped_to_a_multiple_of_the_median_norm():
         return Message(content, reply_to=msg)
 
     spy = Spy()
-    settings, grid, strategy = _setup({"name": "fp32"}, inner_mods=[spy, blow_up])
-    strategy.norm_cap = 2.0
+    settings, grid, strategy = _setup({"name": "fp32"}, inner_mods=[spy, blow_up], norm_cap=2.0)
     initial = initial_arrays(settings)
     out = _rounds(strategy, grid, initial, [1])
     assert strategy.rounds[0]["clipped"] == 1

@@ -14,18 +14,21 @@ dense reply per client, sorted by stable id (``handoff="per_client"``), or one
 synthetic reply with the float32 weighted mean summed in stable-id order
 (``handoff="pre_aggregated"``); (3) measures codec, record and wire bytes of every
 real message, up and down, and reports them per round.
+
+The class is lifecycle and delegation; its collaborators are chosen once, at
+construction: ``Instructions`` (what each client is sent), ``ReplyDecoder``
+(validation, decoding, failure kinds, outliers, mirrors and acknowledgements), a
+hand-off (per client, plain mean, reduction tree or joint decode), and the pure
+influence rules of ``fedcomp.influence``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
-import re
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -36,102 +39,44 @@ from flwr.app import (
     Message,
     MessageType,
     MetricRecord,
-    RecordDict,
 )
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import (
     Result,
     Strategy,
 )
-from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
-from fedcomp.aggregate import weighted_mean
 from fedcomp.codecs import (
-    Codec,
-    Memory,
     ResidualMemory,
     TensorPolicy,
     make_codec_from_spec,
 )
-from fedcomp.codecs.residual import SYNC_FULL, SYNC_RESTART
-from fedcomp.controlvariates import ControlVariateServer, MirrorStore, PendingMirror
-from fedcomp.failures import Failure, failure_of
+from fedcomp.controlvariates import ControlVariateServer, MirrorStore
+from fedcomp.failures import Failure
 from fedcomp.flower.accounting import record_bytes, wire_bytes
+from fedcomp.flower.decoding import ReplyDecoder
+from fedcomp.flower.handoff import make_handoff
 from fedcomp.flower.identity import StableIds
 from fedcomp.flower.inner_state import inner_state_dict, load_inner_state_dict
-from fedcomp.flower.joint import JointRound, joint_mean, plan_round, split_reply
-from fedcomp.flower.records import account_reply, empty_client_row, log_line, round_record
+from fedcomp.flower.instructions import Instructions, sample
+from fedcomp.flower.joint import plan_round
+from fedcomp.flower.records import empty_client_row, log_line, round_record
+from fedcomp.flower.round_state import Decoded, RoundState
 from fedcomp.flower.validation import (
     ReplyError,
     check_evaluate_reply,
-    check_reply,
-    compressed_names,
-    decode_payloads,
     majority_keys,
 )
+from fedcomp.influence import clip_scales, update_norm, weight_cap
 from fedcomp.keys import (
-    FAULT_REASON_PREFIX,
-    KEY_ACK_ROUND,
-    KEY_CODEC,
-    KEY_CV_CHECKSUM,
-    KEY_CV_VERSION,
-    KEY_EXPECTED_ID,
-    KEY_JOINT_CLIENTS,
-    KEY_JOINT_INDEX,
-    KEY_JOINT_TAU,
     KEY_NUM_EXAMPLES,
-    KEY_POLICY,
-    KEY_PROTOCOL,
-    KEY_RESYNC,
-    KEY_ROUND,
-    KEY_RUN_SEED,
-    KEY_TASK,
-    PROTOCOL_VERSION,
-    RECORD_PAYLOAD,
 )
 from fedcomp.onebit import OneBitCode
-from fedcomp.onebit.federated import JointServerState, pack_taus
-from fedcomp.results import RoundCounts
-from fedcomp.rng import numpy_generator
+from fedcomp.onebit.federated import JointServerState
 from fedcomp.rules import check_server_options
-from fedcomp.trees.aggregate import TreeConfig, TreeStats, tree_mean
+from fedcomp.trees.aggregate import TreeConfig, TreeStats
 
 log = logging.getLogger(__name__)
-
-#: Client metric names starting with this prefix are fedcomp's own; they are
-#: aggregated here and not handed to the inner strategy.
-_OWN_PREFIX = "fedcomp."
-
-
-@dataclass
-class _Decoded:
-    stable_id: int
-    deltas: dict[str, np.ndarray]
-    weight: float
-    metrics: MetricRecord
-    message: Message
-    #: Joint codes: the checked one-bit payloads, decoded together at hand-over.
-    joint: dict[str, bytes] = field(default_factory=dict)
-    #: Residual memory: the mirror this reply moves the client to, stored only once
-    #: the reply is accepted (after the outlier check).
-    pending: PendingMirror | None = None
-    #: Residual memory: the reply's sync mode.
-    sync: int = 0
-
-
-@dataclass
-class _RoundState:
-    """Everything one round needs between configure_train and the round's end."""
-
-    number: int
-    t_start: float
-    global_arrays: dict[str, np.ndarray] = field(default_factory=dict)
-    sent: dict[int, Message] = field(default_factory=dict)
-    record: RoundCounts = field(default_factory=RoundCounts)
-    per_client: dict[int, dict[str, Any]] = field(default_factory=dict)
-    tensor_codecs: dict[str, str] = field(default_factory=dict)
-    joint: JointRound | None = None
-
 
 class CompressedStrategy(Strategy):
     """Decode compressed client updates and delegate aggregation to a Flower strategy.
@@ -220,7 +165,6 @@ class CompressedStrategy(Strategy):
             reject_factor=reject_factor,
         )
         self.codec = make_codec_from_spec(codec)  # fails fast on a bad spec
-        self.codec_json = json.dumps(self.codec.spec(), sort_keys=True)
         #: Joint codes (one-bit) decode only the mean of all replies together.
         self.joint = isinstance(self.codec, OneBitCode)
         if self.joint and policy is None:
@@ -233,9 +177,8 @@ class CompressedStrategy(Strategy):
         self.fraction_train = fraction_train
         self.fraction_evaluate = fraction_evaluate
         self.handoff = handoff
-        self.task_json = json.dumps(dict(task), sort_keys=True) if task is not None else None
-        self.policy_json = (
-            json.dumps(dataclasses.asdict(policy), sort_keys=True) if policy is not None else None
+        self.instructions = Instructions(
+            self.codec.spec(), run_seed=run_seed, policy=policy, task=task
         )
         #: Last round whose reply each client (stable id) had accepted: the ack that
         #: lets a client commit the state that reply produced.
@@ -253,16 +196,25 @@ class CompressedStrategy(Strategy):
         self.weight_cap = float(weight_cap)
         self.norm_cap = float(norm_cap)
         self.reject_factor = float(reject_factor)
-        #: The stateless codec clients use for compressed tensors (what every payload
-        #: is checked against); None for a joint code, whose payloads check themselves.
-        self.wire_codec: Codec | None = None
-        if not self.joint:
-            memory = isinstance(self.codec, Memory)
-            self.wire_codec = self.codec.inner if memory else self.codec
-        #: The policy clients apply, when the server sends one (else the mod's own).
-        self.sent_policy = policy
-
         self.ids = StableIds()
+        # Collaborators, chosen once: reply decoding and the hand-over to the inner
+        # strategy (per client, plain mean, reduction tree or joint decode).
+        self.decoder = ReplyDecoder(
+            self.codec,
+            policy=policy,
+            run_seed=run_seed,
+            cv=self.cv,
+            stable_of=self.ids.stable_of,
+            reject_factor=self.reject_factor,
+        )
+        self.handoff_impl = make_handoff(
+            handoff,
+            trees=self.trees,
+            tree_stats=self.tree_stats,
+            code=self.codec,
+            joint_state=self.joint_state,
+            run_seed=run_seed,
+        )
         self.rounds: list[dict[str, Any]] = []
         self.initial_evaluation: dict[str, float] | None = None
         self._num_rounds = 0
@@ -272,14 +224,14 @@ class CompressedStrategy(Strategy):
         #: The last round a loaded checkpoint holds (0: a new run).
         self._completed_round = 0
         self.last_arrays: ArrayRecord | None = None
-        self._state: _RoundState | None = None
+        self._state: RoundState | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
     def summary(self) -> None:
         log.info(
             "CompressedStrategy: codec %s, handoff %s, fractions train %.2f evaluate %.2f",
-            self.codec_json,
+            self.instructions.codec_json,
             self.handoff,
             self.fraction_train,
             self.fraction_evaluate,
@@ -332,54 +284,24 @@ class CompressedStrategy(Strategy):
         _fail_if_nothing_learned(self.rounds[self._offset :])
         return result
 
-    # ------------------------------------------------------------------ sampling
+    # ------------------------------------------------------------------ instructions
 
     def _sample(self, server_round: int, fraction: float, purpose: str) -> list[int]:
-        ids = self.ids.stable_ids()
-        if not ids or fraction <= 0:
-            return []
-        k = min(len(ids), max(1, round(fraction * len(ids))))
-        if k == len(ids):
-            return ids
-        rng = numpy_generator(self.run_seed, purpose, server_round)
-        return sorted(int(i) for i in rng.choice(ids, size=k, replace=False))
+        return sample(self.ids.stable_ids(), fraction, self.run_seed, purpose, server_round)
 
-    def _per_client_messages(
+    def _messages(
         self, template: list[Message], stable_ids: list[int], server_round: int, kind: str
     ) -> dict[int, Message]:
-        base = template[0].content
-        ((arrays_key, arrays),) = base.array_records.items()
-        config_items = list(base.config_records.items())
-        config_key, base_config = config_items[0] if config_items else ("config", ConfigRecord())
-        messages = {}
-        for sid in stable_ids:
-            config = ConfigRecord(dict(base_config))
-            config[KEY_PROTOCOL] = PROTOCOL_VERSION
-            config[KEY_ROUND] = server_round
-            config[KEY_RUN_SEED] = self.run_seed
-            config[KEY_EXPECTED_ID] = sid
-            if kind == MessageType.TRAIN:
-                config[KEY_CODEC] = self.codec_json
-                config[KEY_ACK_ROUND] = self.accepted_round.get(sid, -1)
-                if self.cv is not None and sid in self.cv.resync_requested:
-                    config[KEY_RESYNC] = 1
-                if self.policy_json is not None:
-                    config[KEY_POLICY] = self.policy_json
-                plan = self._state.joint if self._state is not None else None
-                if plan is not None:
-                    config[KEY_JOINT_INDEX] = plan.index[sid]
-                    config[KEY_JOINT_CLIENTS] = plan.clients
-                    config[KEY_JOINT_TAU] = pack_taus([plan.taus[n] for n in plan.names])
-            if self.task_json is not None:
-                config[KEY_TASK] = self.task_json
-            content = RecordDict({arrays_key: arrays, config_key: config})
-            messages[sid] = Message(
-                content,
-                dst_node_id=self.ids.node_of(sid),
-                message_type=kind,
-                group_id=str(server_round),
-            )
-        return messages
+        return self.instructions.build(
+            template,
+            stable_ids,
+            server_round,
+            kind,
+            node_of=self.ids.node_of,
+            ack_round=lambda sid: self.accepted_round.get(sid, -1),
+            resync=lambda sid: self.cv is not None and sid in self.cv.resync_requested,
+            plan=self._state.joint if self._state is not None else None,
+        )
 
     # ------------------------------------------------------------------ training
 
@@ -390,7 +312,7 @@ class CompressedStrategy(Strategy):
         server_round += self._offset
         t_start = time.perf_counter()
         self.ids.refresh(grid, expected=self.expected_nodes, timeout=self.identity_timeout)
-        state = _RoundState(number=server_round, t_start=t_start)
+        state = RoundState(number=server_round, t_start=t_start)
         state.global_arrays = {k: np.asarray(v.numpy()) for k, v in arrays.items()}
         self._state = state
         template = list(self.strategy.configure_train(server_round, arrays, config, grid))
@@ -401,134 +323,13 @@ class CompressedStrategy(Strategy):
             state.joint = plan_round(
                 self.codec, self.policy, self.joint_state, state.global_arrays, selected
             )
-        state.sent = self._per_client_messages(template, selected, server_round, MessageType.TRAIN)
+        state.sent = self._messages(template, selected, server_round, MessageType.TRAIN)
         for sid, msg in state.sent.items():
             row = state.per_client.setdefault(sid, empty_client_row(sid))
             row["downlink_record_bytes"] = record_bytes(msg.content)
             row["downlink_wire_bytes"] = wire_bytes(msg)
         state.record.selected = len(selected)
         return list(state.sent.values())
-
-    def _decode_reply(self, msg: Message, state: _RoundState) -> _Decoded:
-        node_id = msg.metadata.src_node_id
-        sid = self.ids.stable_of(node_id)
-        if sid is None or sid not in state.sent:
-            raise ReplyError(
-                f"reply from node {node_id}, which was not asked this round", Failure.NOT_ASKED
-            )
-        header, metrics, weight, payloads = check_reply(msg.content, sid, state.number)
-        if state.joint is not None:
-            deltas, joint, codecs = split_reply(
-                self.codec,
-                state.joint,
-                payloads,
-                state.global_arrays,
-                run_seed=self.run_seed,
-                server_round=state.number,
-                stable_id=sid,
-            )
-            _note_codecs(state, codecs)
-            return _Decoded(sid, deltas, weight, metrics, msg, joint=joint)
-        sync = _int_field(header, KEY_RESYNC, 0) if self.cv is not None else 0
-        deltas, codecs = decode_payloads(
-            payloads,
-            state.global_arrays,
-            # A full-precision resync sends the covered tensors in fp32.
-            codec=_FP32 if sync == SYNC_FULL else self.wire_codec,
-            policy=self.sent_policy,
-            run_seed=self.run_seed,
-            server_round=state.number,
-            stable_id=sid,
-        )
-        _note_codecs(state, codecs)
-        item = _Decoded(sid, deltas, weight, metrics, msg, sync=sync)
-        if self.cv is not None:  # the mirror moves only when the reply is accepted
-            ghat, item.pending = self.cv.prepare(
-                sid,
-                {name: deltas[name] for name in compressed_names(codecs)},
-                version=_int_field(header, KEY_CV_VERSION, -1),
-                checksum=str(header.get(KEY_CV_CHECKSUM, "")),
-                sync=sync,
-            )
-            deltas.update(ghat)
-        return item
-
-    def _reject(self, state: _RoundState, sid: int | None, exc: Exception) -> None:
-        """Count and log one rejected reply under its failure kind."""
-        kind = failure_of(exc)
-        state.record.count_rejection(str(kind), fault=kind is not Failure.RESYNC)
-        if kind is Failure.NONFINITE:
-            state.record.nonfinite += 1
-        if kind is Failure.RESYNC:
-            state.record.resync_requests += 1
-            log.warning("round %d: client %s: %s", state.number, sid, exc)
-            return
-        if kind is Failure.UNEXPECTED:  # a decoder bug, not the client's fault alone
-            log.error(
-                "round %d: reply of client %s could not be decoded (%s: %s)",
-                state.number,
-                sid,
-                type(exc).__name__,
-                exc,
-                exc_info=exc,
-            )
-        else:
-            log.warning(
-                "round %d: rejected reply of client %s [%s]: %s", state.number, sid, kind, exc
-            )
-
-    def _count_error_reply(self, state: _RoundState, sid: int | None, msg: Message) -> None:
-        injected = re.search(FAULT_REASON_PREFIX + r"(\w+)", str(msg.error.reason))
-        state.record.count_fault(injected.group(1) if injected else "error_reply")
-        log.warning(
-            "round %d: client %s replied with an error: %s",
-            state.number,
-            sid,
-            _short(msg.error.reason),
-        )
-
-    def _decode_all(self, replies: list[Message], state: _RoundState) -> list[_Decoded]:
-        """Validate and decode every reply; a failure of any kind is that client's only.
-
-        Nothing a reply holds can stop the round: every exception a check or a decoder
-        raises is counted under its failure kind (an unexpected one as a bug, with its
-        traceback) and the reply is dropped. A client that replied more than once has
-        all its replies dropped: keeping one would depend on the order of arrival.
-        """
-        repeats = Counter(self.ids.stable_of(m.metadata.src_node_id) for m in replies)
-        decoded: list[_Decoded] = []
-        for msg in replies:
-            sid = self.ids.stable_of(msg.metadata.src_node_id)
-            row = state.per_client.setdefault(sid, empty_client_row(sid)) if sid is not None else {}
-            row["uplink_wire_bytes"] = row.get("uplink_wire_bytes", 0) + wire_bytes(msg)
-            if msg.has_error():
-                self._count_error_reply(state, sid, msg)
-                continue
-            row["uplink_record_bytes"] = row.get("uplink_record_bytes", 0) + record_bytes(
-                msg.content
-            )
-            try:
-                if sid is not None and repeats[sid] > 1:
-                    raise ReplyError(
-                        f"{repeats[sid]} replies from this client in one round; all dropped",
-                        Failure.DUPLICATE,
-                    )
-                decoded.append(self._decode_reply(msg, state))
-            except Exception as exc:  # every failure is this client's only (docstring)
-                self._reject(state, sid, exc)
-        decoded.sort(key=lambda d: d.stable_id)  # reply order never matters
-        return decoded
-
-    def _accept(self, decoded: list[_Decoded], state: _RoundState) -> None:
-        """Account the accepted replies, move their mirrors, and acknowledge them."""
-        for item in decoded:
-            row = state.per_client[item.stable_id]
-            account_reply(row, item.message.content[RECORD_PAYLOAD], item.metrics, item.weight)
-            if item.pending is not None:
-                self.cv.commit(item.pending)
-            state.record.resyncs += item.sync == SYNC_FULL
-            state.record.restarts += item.sync == SYNC_RESTART
-            self.accepted_round[item.stable_id] = state.number
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -539,15 +340,20 @@ class CompressedStrategy(Strategy):
         if state is None or state.number != server_round:
             raise RuntimeError("aggregate_train called without configure_train for this round")
         t0 = time.perf_counter()
-        decoded = self._decode_all(list(replies), state)
-        decoded = self._reject_outliers(decoded, state)
-        self._accept(decoded, state)
+        decoded = self.decoder.decode_all(list(replies), state)
+        decoded = self.decoder.drop_outliers(decoded, state)
+        self.decoder.accept(decoded, state, self.accepted_round)
         decode_s = time.perf_counter() - t0
 
-        state.record.capped = self._cap_weights(decoded)
-        state.record.clipped = self._clip_norms(decoded)
+        state.record.capped = _cap_weights(decoded, self.weight_cap)
+        state.record.clipped = 0 if self.joint else _clip_norms(decoded, self.norm_cap)
         t1 = time.perf_counter()
-        arrays, metrics = self._hand_over(server_round, decoded, state)
+        arrays, metrics = None, None
+        replies_in = self.handoff_impl.replies(decoded, state) if decoded else None
+        if not decoded:
+            log.warning("round %d: no valid replies, the global model is unchanged", server_round)
+        elif replies_in is not None:
+            arrays, metrics = self.strategy.aggregate_train(server_round, replies_in)
         if arrays is not None:  # FedAdam & co. compute in float64: keep the model's dtypes
             arrays = _cast_like(arrays, state.global_arrays)
         aggregate_s = time.perf_counter() - t1
@@ -570,146 +376,6 @@ class CompressedStrategy(Strategy):
         state.record.replied = len(decoded)
         state.record.decode_s, state.record.aggregate_s = decode_s, aggregate_s
         return arrays, metrics
-
-    def _reject_outliers(self, decoded: list[_Decoded], state: _RoundState) -> list[_Decoded]:
-        """Drop replies whose update norm is beyond ``reject_factor`` x the median."""
-        if self.reject_factor <= 0 or len(decoded) < 3:
-            return decoded
-        norms = [_update_norm(d) for d in decoded]
-        bound = self.reject_factor * float(np.median(norms))
-        kept = []
-        for item, norm in zip(decoded, norms, strict=True):
-            if norm > bound:
-                exc = ReplyError(
-                    f"update norm {norm:.3g} is beyond {self.reject_factor:g} x the round's "
-                    f"median ({bound:.3g})",
-                    Failure.OUTLIER,
-                )
-                self._reject(state, item.stable_id, exc)
-            else:
-                kept.append(item)
-        return kept
-
-    def _cap_weights(self, decoded: list[_Decoded]) -> int:
-        """Cap num-examples at ``weight_cap`` x the round's median; return how many."""
-        if self.weight_cap <= 0 or not decoded:
-            return 0
-        cap = self.weight_cap * float(np.median([d.weight for d in decoded]))
-        capped = 0
-        for item in decoded:
-            if item.weight > cap:
-                item.weight = cap
-                item.metrics[KEY_NUM_EXAMPLES] = cap  # what the inner strategy weighs by
-                capped += 1
-        return capped
-
-    def _clip_norms(self, decoded: list[_Decoded]) -> int:
-        """Scale updates beyond ``norm_cap`` x the median norm down to it; return how many.
-
-        Needs three replies or more (a median of two is no robust scale)."""
-        if self.norm_cap <= 0 or len(decoded) < 3 or self.joint:
-            return 0
-        norms = [_update_norm(d) for d in decoded]
-        cap = self.norm_cap * float(np.median(norms))
-        clipped = 0
-        for item, norm in zip(decoded, norms, strict=True):
-            if norm > cap > 0:
-                factor = cap / norm
-                item.deltas = {
-                    k: (v * factor).astype(v.dtype) if v.dtype.kind == "f" else v
-                    for k, v in item.deltas.items()
-                }
-                clipped += 1
-                log.warning(
-                    "client %s: update norm %.3g clipped to %.3g", item.stable_id, norm, cap
-                )
-        return clipped
-
-    def _client_metrics(self, item: _Decoded) -> MetricRecord:
-        return MetricRecord(
-            {k: v for k, v in item.metrics.items() if not k.startswith(_OWN_PREFIX)}
-        )
-
-    def _hand_over(
-        self, server_round: int, decoded: list[_Decoded], state: _RoundState
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        if not decoded:
-            log.warning("round %d: no valid replies, the global model is unchanged", server_round)
-            return None, None
-        arrays_key = "arrays"
-        if self.handoff == "per_client":
-            replies = [
-                Message(
-                    RecordDict(
-                        {
-                            arrays_key: ArrayRecord(
-                                {
-                                    name: Array(np.asarray(state.global_arrays[name] + delta))
-                                    for name, delta in d.deltas.items()
-                                }
-                            ),
-                            "metrics": self._client_metrics(d),
-                        }
-                    ),
-                    reply_to=state.sent[d.stable_id],
-                )
-                for d in decoded
-            ]
-        else:
-            total = sum(d.weight for d in decoded)
-            updates, weights = [d.deltas for d in decoded], [d.weight for d in decoded]
-            if state.joint is not None:
-                mean = weighted_mean(updates, weights) if updates[0] else {}
-                try:
-                    joint = joint_mean(
-                        self.codec,
-                        state.joint,
-                        self.joint_state,
-                        [(d.stable_id, d.weight, d.joint) for d in decoded],
-                        state.global_arrays,
-                        run_seed=self.run_seed,
-                        server_round=server_round,
-                    )
-                except ValueError as exc:  # e.g. a non-finite mean: keep the model
-                    log.warning("round %d: joint decoding failed: %s", server_round, exc)
-                    state.record.joint = {"error": str(exc)}
-                    return None, None
-                mean.update(joint)
-                state.record.joint = dict(state.joint.stats)
-            elif self.trees == TreeConfig():
-                mean = weighted_mean(updates, weights)
-            else:
-                mean, report = tree_mean(
-                    updates,
-                    weights,
-                    [d.stable_id for d in decoded],
-                    self.trees,
-                    self.tree_stats,
-                    server_round,
-                )
-                state.record.tree = report
-            metrics = aggregate_metricrecords(
-                [RecordDict({"metrics": self._client_metrics(d)}) for d in decoded],
-                KEY_NUM_EXAMPLES,
-            )
-            metrics[KEY_NUM_EXAMPLES] = total
-            replies = [
-                Message(
-                    RecordDict(
-                        {
-                            arrays_key: ArrayRecord(
-                                {
-                                    name: Array(np.asarray(state.global_arrays[name] + mean[name]))
-                                    for name in state.global_arrays
-                                }
-                            ),
-                            "metrics": metrics,
-                        }
-                    ),
-                    reply_to=state.sent[decoded[0].stable_id],
-                )
-            ]
-        return self.strategy.aggregate_train(server_round, replies)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs, as plain data (public randomness needs none):
@@ -753,11 +419,7 @@ class CompressedStrategy(Strategy):
             return []
         selected = self._sample(server_round, self.fraction_evaluate, "evaluate-sample")
         self._evaluate_sent = set(selected)
-        return list(
-            self._per_client_messages(
-                template, selected, server_round, MessageType.EVALUATE
-            ).values()
-        )
+        return list(self._messages(template, selected, server_round, MessageType.EVALUATE).values())
 
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]
@@ -848,7 +510,7 @@ class CompressedStrategy(Strategy):
             state.record,
             [state.per_client[sid] for sid in sorted(state.per_client)],
             round_s=time.perf_counter() - state.t_start,
-            codec_spec=json.loads(self.codec_json),
+            codec_spec=json.loads(self.instructions.codec_json),
             tensor_codecs=state.tensor_codecs,
             cv=self.cv,
         )
@@ -861,9 +523,6 @@ class CompressedStrategy(Strategy):
             log.info(line)
         if self.on_round is not None:
             self.on_round(record)
-
-
-_FP32 = make_codec_from_spec({"name": "fp32"})
 
 
 def _fail_if_nothing_learned(rounds: list[dict[str, Any]]) -> None:
@@ -897,25 +556,34 @@ def _first_present(metrics: MetricRecord, keys: tuple[str, ...]) -> float | None
     return None
 
 
-def _int_field(header: ConfigRecord, key: str, default: int) -> int:
-    """An integer header field; anything else is a malformed reply, not a crash."""
-    value = header.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ReplyError(f"header field {key}={value!r} is not an integer", Failure.MALFORMED)
-    return value
+def _cap_weights(decoded: list[Decoded], factor: float) -> int:
+    """Cap num-examples at ``factor`` x the round's median; return how many."""
+    cap = weight_cap([d.weight for d in decoded], factor)
+    capped = 0
+    for item in decoded:
+        if cap is not None and item.weight > cap:
+            item.weight = cap
+            item.metrics[KEY_NUM_EXAMPLES] = cap  # what the inner strategy weighs by
+            capped += 1
+    return capped
 
 
-def _update_norm(item: _Decoded) -> float:
-    """L2 norm of a decoded update's floating-point tensors (float64 sums)."""
-    return float(
-        np.sqrt(
-            sum(
-                np.sum(np.square(v, dtype=np.float64))
-                for v in item.deltas.values()
-                if v.dtype.kind == "f"
+def _clip_norms(decoded: list[Decoded], factor: float) -> int:
+    """Scale updates beyond ``factor`` x the median norm down to it; return how many
+    (clipping, not rejection: a residual mirror has already moved with the reply)."""
+    norms = [update_norm(d.deltas) for d in decoded]
+    clipped = 0
+    for item, norm, scale in zip(decoded, norms, clip_scales(norms, factor), strict=True):
+        if scale != 1.0:
+            item.deltas = {
+                k: (v * scale).astype(v.dtype) if v.dtype.kind == "f" else v
+                for k, v in item.deltas.items()
+            }
+            clipped += 1
+            log.warning(
+                "client %s: update norm %.3g clipped to %.3g", item.stable_id, norm, norm * scale
             )
-        )
-    )
+    return clipped
 
 
 def _cast_like(arrays: ArrayRecord, reference: Mapping[str, np.ndarray]) -> ArrayRecord:
@@ -939,16 +607,3 @@ def _all_finite(arrays: ArrayRecord) -> bool:
         if array.dtype.kind == "f" and not np.isfinite(array).all():
             return False
     return True
-
-
-def _note_codecs(state: _RoundState, codecs: Mapping[str, str]) -> None:
-    """Record which codec each tensor travelled with (the first reply that says so)."""
-    for name, codec in codecs.items():
-        state.tensor_codecs.setdefault(name, codec)
-
-
-def _short(reason: str, limit: int = 300) -> str:
-    """The informative last line of a (possibly multi-line, remote) error reason."""
-    lines = [line.strip() for line in str(reason).splitlines() if line.strip()]
-    text = lines[-1] if lines else ""
-    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,245 @@
+"""The reply decoder: from a round's reply messages to the decoded updates to aggregate.
+
+It validates and decodes every reply (fedcomp.flower.validation, the joint path, the
+residual mirrors), counts each failure under one kind (fedcomp.failures.Failure), drops
+outliers, and, for the replies that remain, moves their mirrors and acknowledges them.
+Nothing a reply holds can stop the round; docs/reliability.md has the order of checks.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import Counter
+from collections.abc import Callable
+
+from flwr.app import ConfigRecord, Message
+
+from fedcomp.codecs import Codec, Memory, TensorPolicy, make_codec_from_spec
+from fedcomp.codecs.residual import SYNC_FULL, SYNC_RESTART
+from fedcomp.controlvariates import ControlVariateServer
+from fedcomp.failures import Failure, failure_of
+from fedcomp.flower.accounting import record_bytes, wire_bytes
+from fedcomp.flower.joint import split_reply
+from fedcomp.flower.records import account_reply, empty_client_row
+from fedcomp.flower.round_state import Decoded, RoundState
+from fedcomp.flower.validation import ReplyError, check_reply, compressed_names, decode_payloads
+from fedcomp.influence import outliers, update_norm
+from fedcomp.keys import (
+    FAULT_REASON_PREFIX,
+    KEY_CV_CHECKSUM,
+    KEY_CV_VERSION,
+    KEY_RESYNC,
+    RECORD_PAYLOAD,
+)
+from fedcomp.onebit import OneBitCode
+
+log = logging.getLogger("fedcomp.flower.strategy")  # one logger for the wrapper's lines
+
+_FP32 = make_codec_from_spec({"name": "fp32"})
+
+
+class ReplyDecoder:
+    """Decodes a round's replies for CompressedStrategy.
+
+    Parameters
+    ----------
+    codec : Codec, Memory or OneBitCode
+        What the server asked the clients to use.
+    policy : TensorPolicy or None
+        The policy sent to the clients (None: each mod applies its own).
+    run_seed : int
+        The run's public seed (derived seeds are checked against it).
+    cv : ControlVariateServer or None
+        Residual memory: the mirrors.
+    stable_of : callable
+        Node id -> stable id (None for an unknown node).
+    reject_factor : float
+        Outlier rule (0: off): see fedcomp.influence.outliers.
+    """
+
+    def __init__(
+        self,
+        codec: Codec | Memory | OneBitCode,
+        *,
+        policy: TensorPolicy | None,
+        run_seed: int,
+        cv: ControlVariateServer | None,
+        stable_of: Callable[[int], int | None],
+        reject_factor: float,
+    ) -> None:
+        self.codec = codec
+        self.joint = isinstance(codec, OneBitCode)
+        #: The stateless codec clients use for compressed tensors (what every payload is
+        #: checked against); None for a joint code, whose payloads check themselves.
+        self.wire_codec: Codec | None = None
+        if not self.joint:
+            self.wire_codec = codec.inner if isinstance(codec, Memory) else codec
+        self.policy = policy
+        self.run_seed = run_seed
+        self.cv = cv
+        self.stable_of = stable_of
+        self.reject_factor = reject_factor
+
+    # ------------------------------------------------------------------ per reply
+
+    def decode_reply(self, msg: Message, state: RoundState) -> Decoded:
+        """Validate and decode one reply (raises a Rejection naming the failure)."""
+        node_id = msg.metadata.src_node_id
+        sid = self.stable_of(node_id)
+        if sid is None or sid not in state.sent:
+            raise ReplyError(
+                f"reply from node {node_id}, which was not asked this round", Failure.NOT_ASKED
+            )
+        header, metrics, weight, payloads = check_reply(msg.content, sid, state.number)
+        if state.joint is not None:
+            deltas, joint, codecs = split_reply(
+                self.codec,
+                state.joint,
+                payloads,
+                state.global_arrays,
+                run_seed=self.run_seed,
+                server_round=state.number,
+                stable_id=sid,
+            )
+            _note_codecs(state, codecs)
+            return Decoded(sid, deltas, weight, metrics, msg, joint=joint)
+        sync = _int_field(header, KEY_RESYNC, 0) if self.cv is not None else 0
+        deltas, codecs = decode_payloads(
+            payloads,
+            state.global_arrays,
+            # A full-precision resync sends the covered tensors in fp32.
+            codec=_FP32 if sync == SYNC_FULL else self.wire_codec,
+            policy=self.policy,
+            run_seed=self.run_seed,
+            server_round=state.number,
+            stable_id=sid,
+        )
+        _note_codecs(state, codecs)
+        item = Decoded(sid, deltas, weight, metrics, msg, sync=sync)
+        if self.cv is not None:  # the mirror moves only when the reply is accepted
+            ghat, item.pending = self.cv.prepare(
+                sid,
+                {name: deltas[name] for name in compressed_names(codecs)},
+                version=_int_field(header, KEY_CV_VERSION, -1),
+                checksum=str(header.get(KEY_CV_CHECKSUM, "")),
+                sync=sync,
+            )
+            deltas.update(ghat)
+        return item
+
+    # ------------------------------------------------------------------ per round
+
+    def decode_all(self, replies: list[Message], state: RoundState) -> list[Decoded]:
+        """Validate and decode every reply; a failure of any kind is that client's only.
+
+        Every exception a check or a decoder raises is counted under its failure kind
+        (an unexpected one as a bug, with its traceback) and the reply is dropped. A
+        client that replied more than once has all its replies dropped: keeping one
+        would depend on the order of arrival. Sorted by stable id.
+        """
+        repeats = Counter(self.stable_of(m.metadata.src_node_id) for m in replies)
+        decoded: list[Decoded] = []
+        for msg in replies:
+            sid = self.stable_of(msg.metadata.src_node_id)
+            row = state.per_client.setdefault(sid, empty_client_row(sid)) if sid is not None else {}
+            row["uplink_wire_bytes"] = row.get("uplink_wire_bytes", 0) + wire_bytes(msg)
+            if msg.has_error():
+                _count_error_reply(state, sid, msg)
+                continue
+            row["uplink_record_bytes"] = row.get("uplink_record_bytes", 0) + record_bytes(
+                msg.content
+            )
+            try:
+                if sid is not None and repeats[sid] > 1:
+                    raise ReplyError(
+                        f"{repeats[sid]} replies from this client in one round; all dropped",
+                        Failure.DUPLICATE,
+                    )
+                decoded.append(self.decode_reply(msg, state))
+            except Exception as exc:  # every failure is this client's only (docstring)
+                reject(state, sid, exc)
+        decoded.sort(key=lambda d: d.stable_id)  # reply order never matters
+        return decoded
+
+    def drop_outliers(self, decoded: list[Decoded], state: RoundState) -> list[Decoded]:
+        """Drop replies whose update norm is beyond ``reject_factor`` x the median."""
+        norms = [update_norm(d.deltas) for d in decoded]
+        beyond = outliers(norms, self.reject_factor)
+        kept = []
+        for item, norm, out in zip(decoded, norms, beyond, strict=True):
+            if out:
+                exc = ReplyError(
+                    f"update norm {norm:.3g} is beyond {self.reject_factor:g} x the round's "
+                    "median",
+                    Failure.OUTLIER,
+                )
+                reject(state, item.stable_id, exc)
+            else:
+                kept.append(item)
+        return kept
+
+    def accept(
+        self, decoded: list[Decoded], state: RoundState, accepted_round: dict[int, int]
+    ) -> None:
+        """Account the accepted replies, move their mirrors, and acknowledge them."""
+        for item in decoded:
+            row = state.per_client[item.stable_id]
+            account_reply(row, item.message.content[RECORD_PAYLOAD], item.metrics, item.weight)
+            if item.pending is not None and self.cv is not None:
+                self.cv.commit(item.pending)
+            state.record.resyncs += item.sync == SYNC_FULL
+            state.record.restarts += item.sync == SYNC_RESTART
+            accepted_round[item.stable_id] = state.number
+
+
+def reject(state: RoundState, sid: int | None, exc: Exception) -> None:
+    """Count and log one rejected reply under its failure kind."""
+    kind = failure_of(exc)
+    state.record.count_rejection(str(kind), fault=kind is not Failure.RESYNC)
+    if kind is Failure.NONFINITE:
+        state.record.nonfinite += 1
+    if kind is Failure.RESYNC:
+        state.record.resync_requests += 1
+        log.warning("round %d: client %s: %s", state.number, sid, exc)
+        return
+    if kind is Failure.UNEXPECTED:  # a decoder bug, not the client's fault alone
+        log.error(
+            "round %d: reply of client %s could not be decoded (%s: %s)",
+            state.number,
+            sid,
+            type(exc).__name__,
+            exc,
+            exc_info=exc,
+        )
+    else:
+        log.warning("round %d: rejected reply of client %s [%s]: %s", state.number, sid, kind, exc)
+
+
+def _count_error_reply(state: RoundState, sid: int | None, msg: Message) -> None:
+    injected = re.search(FAULT_REASON_PREFIX + r"(\w+)", str(msg.error.reason))
+    state.record.count_fault(injected.group(1) if injected else "error_reply")
+    log.warning(
+        "round %d: client %s replied with an error: %s", state.number, sid, _short(msg.error.reason)
+    )
+
+
+def _int_field(header: ConfigRecord, key: str, default: int) -> int:
+    """An integer header field; anything else is a malformed reply, not a crash."""
+    value = header.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ReplyError(f"header field {key}={value!r} is not an integer", Failure.MALFORMED)
+    return value
+
+
+def _note_codecs(state: RoundState, codecs: dict[str, str]) -> None:
+    """Record which codec each tensor travelled with (the first reply that says so)."""
+    for name, codec in codecs.items():
+        state.tensor_codecs.setdefault(name, codec)
+
+
+def _short(reason: str, limit: int = 300) -> str:
+    """The informative last line of a (possibly multi-line, remote) error reason."""
+    lines = [line.strip() for line in str(reason).splitlines() if line.strip()]
+    text = lines[-1] if lines else ""
+    return text if len(text) <= limit else text[: limit - 3] + "..."

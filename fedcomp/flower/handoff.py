@@ -1,0 +1,171 @@
+"""How decoded updates reach the inner Flower strategy: one object per mode, chosen once
+when the wrapper is built (``make_handoff``), never re-decided per round.
+
+- ``PerClient``: one dense reply per client (global + decoded update), in stable-id
+  order; any inner strategy works.
+- ``PreAggregated``: one synthetic reply, global + the mean update, with a reducer:
+  ``PlainMean`` (float32 running sum in stable-id order), ``TreeMean`` (variance-aware
+  reduction trees, fedcomp.trees) or ``JointMean`` (the one-bit code's joint decoder).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
+from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
+
+from fedcomp.aggregate import weighted_mean
+from fedcomp.flower.joint import joint_mean
+from fedcomp.flower.round_state import Decoded, RoundState
+from fedcomp.keys import KEY_NUM_EXAMPLES
+from fedcomp.onebit import OneBitCode
+from fedcomp.onebit.federated import JointServerState
+from fedcomp.trees.aggregate import TreeConfig, TreeStats, tree_mean
+
+log = logging.getLogger("fedcomp.flower.strategy")
+
+#: Client metric names starting with this prefix are fedcomp's own; they are
+#: aggregated by the wrapper and not handed to the inner strategy.
+OWN_PREFIX = "fedcomp."
+_ARRAYS = "arrays"
+
+
+def client_metrics(item: Decoded) -> MetricRecord:
+    """A reply's metrics without fedcomp's own."""
+    return MetricRecord({k: v for k, v in item.metrics.items() if not k.startswith(OWN_PREFIX)})
+
+
+class Handoff(Protocol):
+    def replies(self, decoded: list[Decoded], state: RoundState) -> list[Message] | None:
+        """The messages to hand the inner strategy (None: keep the model)."""
+
+
+class PerClient:
+    """One dense reply per client, sorted by stable id."""
+
+    def replies(self, decoded: list[Decoded], state: RoundState) -> list[Message] | None:
+        return [
+            Message(
+                RecordDict(
+                    {
+                        _ARRAYS: ArrayRecord(
+                            {
+                                name: Array(np.asarray(state.global_arrays[name] + delta))
+                                for name, delta in d.deltas.items()
+                            }
+                        ),
+                        "metrics": client_metrics(d),
+                    }
+                ),
+                reply_to=state.sent[d.stable_id],
+            )
+            for d in decoded
+        ]
+
+
+class Reducer(Protocol):
+    def mean(self, decoded: list[Decoded], state: RoundState) -> dict[str, np.ndarray] | None:
+        """The weighted mean update of the decoded replies (None: keep the model)."""
+
+
+class PlainMean:
+    """float32 running sum in stable-id order (fedcomp.aggregate.weighted_mean)."""
+
+    def mean(self, decoded: list[Decoded], state: RoundState) -> dict[str, np.ndarray] | None:
+        return weighted_mean([d.deltas for d in decoded], [d.weight for d in decoded])
+
+
+class TreeMean:
+    """Variance-aware reduction trees, possibly in bf16/fp16 (fedcomp.trees)."""
+
+    def __init__(self, config: TreeConfig, stats: TreeStats) -> None:
+        self.config, self.stats = config, stats
+
+    def mean(self, decoded: list[Decoded], state: RoundState) -> dict[str, np.ndarray] | None:
+        mean, report = tree_mean(
+            [d.deltas for d in decoded],
+            [d.weight for d in decoded],
+            [d.stable_id for d in decoded],
+            self.config,
+            self.stats,
+            state.number,
+        )
+        state.record.tree = report
+        return mean
+
+
+class JointMean:
+    """The one-bit code's joint decode of its tensors; the raw ones as a plain mean."""
+
+    def __init__(self, code: OneBitCode, joint_state: JointServerState, run_seed: int) -> None:
+        self.code, self.joint_state, self.run_seed = code, joint_state, run_seed
+
+    def mean(self, decoded: list[Decoded], state: RoundState) -> dict[str, np.ndarray] | None:
+        updates, weights = [d.deltas for d in decoded], [d.weight for d in decoded]
+        mean = weighted_mean(updates, weights) if updates[0] else {}
+        assert state.joint is not None
+        try:
+            joint = joint_mean(
+                self.code,
+                state.joint,
+                self.joint_state,
+                [(d.stable_id, d.weight, d.joint) for d in decoded],
+                state.global_arrays,
+                run_seed=self.run_seed,
+                server_round=state.number,
+            )
+        except ValueError as exc:  # e.g. a non-finite mean: keep the model
+            log.warning("round %d: joint decoding failed: %s", state.number, exc)
+            state.record.joint = {"error": str(exc)}
+            return None
+        mean.update(joint)
+        state.record.joint = dict(state.joint.stats)
+        return mean
+
+
+class PreAggregated:
+    """One synthetic reply: global + the reducer's mean, weights summed, the clients'
+    metrics aggregated."""
+
+    def __init__(self, reducer: Reducer) -> None:
+        self.reducer = reducer
+
+    def replies(self, decoded: list[Decoded], state: RoundState) -> list[Message] | None:
+        mean = self.reducer.mean(decoded, state)
+        if mean is None:
+            return None
+        metrics = aggregate_metricrecords(
+            [RecordDict({"metrics": client_metrics(d)}) for d in decoded], KEY_NUM_EXAMPLES
+        )
+        metrics[KEY_NUM_EXAMPLES] = sum(d.weight for d in decoded)
+        arrays = ArrayRecord(
+            {
+                name: Array(np.asarray(state.global_arrays[name] + mean[name]))
+                for name in state.global_arrays
+            }
+        )
+        content = RecordDict({_ARRAYS: arrays, "metrics": metrics})
+        return [Message(content, reply_to=state.sent[decoded[0].stable_id])]
+
+
+def make_handoff(
+    handoff: str,
+    *,
+    trees: TreeConfig,
+    tree_stats: TreeStats,
+    code: object,
+    joint_state: JointServerState | None,
+    run_seed: int,
+) -> Handoff:
+    """The hand-off for the wrapper's settings (already checked by fedcomp.rules)."""
+    if handoff == "per_client":
+        return PerClient()
+    if isinstance(code, OneBitCode):
+        assert joint_state is not None
+        return PreAggregated(JointMean(code, joint_state, run_seed))
+    if trees == TreeConfig():
+        return PreAggregated(PlainMean())
+    return PreAggregated(TreeMean(trees, tree_stats))

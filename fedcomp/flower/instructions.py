@@ -1,0 +1,110 @@
+"""What each client is sent: seeded sampling over stable ids, and per-client configs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+
+from fedcomp.codecs import TensorPolicy
+from fedcomp.flower.joint import JointRound
+from fedcomp.keys import (
+    KEY_ACK_ROUND,
+    KEY_CODEC,
+    KEY_EXPECTED_ID,
+    KEY_JOINT_CLIENTS,
+    KEY_JOINT_INDEX,
+    KEY_JOINT_TAU,
+    KEY_POLICY,
+    KEY_PROTOCOL,
+    KEY_RESYNC,
+    KEY_ROUND,
+    KEY_RUN_SEED,
+    KEY_TASK,
+    PROTOCOL_VERSION,
+)
+from fedcomp.onebit.federated import pack_taus
+from fedcomp.rng import numpy_generator
+
+
+def sample(
+    stable_ids: list[int], fraction: float, run_seed: int, purpose: str, server_round: int
+) -> list[int]:
+    """``fraction`` of the known stable ids, drawn from (run seed, purpose, round)."""
+    if not stable_ids or fraction <= 0:
+        return []
+    k = min(len(stable_ids), max(1, round(fraction * len(stable_ids))))
+    if k == len(stable_ids):
+        return stable_ids
+    rng = numpy_generator(run_seed, purpose, server_round)
+    return sorted(int(i) for i in rng.choice(stable_ids, size=k, replace=False))
+
+
+class Instructions:
+    """Builds each client's instruction from the inner strategy's template message.
+
+    FedAvg shares one RecordDict among all its messages; every client here gets its own
+    config: the protocol fields, the codec spec, its acknowledgement, and the joint
+    plan's per-client fields. The JSON of the codec, policy and task is made once.
+    """
+
+    def __init__(
+        self,
+        codec_spec: Mapping[str, Any],
+        *,
+        run_seed: int,
+        policy: TensorPolicy | None,
+        task: Mapping[str, Any] | None,
+    ) -> None:
+        self.codec_json = json.dumps(dict(codec_spec), sort_keys=True)
+        self.run_seed = run_seed
+        self.policy_json = (
+            json.dumps(dataclasses.asdict(policy), sort_keys=True) if policy is not None else None
+        )
+        self.task_json = json.dumps(dict(task), sort_keys=True) if task is not None else None
+
+    def build(
+        self,
+        template: list[Message],
+        stable_ids: list[int],
+        server_round: int,
+        kind: str,
+        *,
+        node_of: Callable[[int], int],
+        ack_round: Callable[[int], int],
+        resync: Callable[[int], bool],
+        plan: JointRound | None,
+    ) -> dict[int, Message]:
+        """One message per stable id (train configs carry the codec fields)."""
+        base = template[0].content
+        ((arrays_key, arrays),) = base.array_records.items()
+        config_items = list(base.config_records.items())
+        config_key, base_config = config_items[0] if config_items else ("config", ConfigRecord())
+        messages = {}
+        for sid in stable_ids:
+            config = ConfigRecord(dict(base_config))
+            config[KEY_PROTOCOL] = PROTOCOL_VERSION
+            config[KEY_ROUND] = server_round
+            config[KEY_RUN_SEED] = self.run_seed
+            config[KEY_EXPECTED_ID] = sid
+            if kind == MessageType.TRAIN:
+                config[KEY_CODEC] = self.codec_json
+                config[KEY_ACK_ROUND] = ack_round(sid)
+                if resync(sid):
+                    config[KEY_RESYNC] = 1
+                if self.policy_json is not None:
+                    config[KEY_POLICY] = self.policy_json
+                if plan is not None:
+                    config[KEY_JOINT_INDEX] = plan.index[sid]
+                    config[KEY_JOINT_CLIENTS] = plan.clients
+                    config[KEY_JOINT_TAU] = pack_taus([plan.taus[n] for n in plan.names])
+            if self.task_json is not None:
+                config[KEY_TASK] = self.task_json
+            content = RecordDict({arrays_key: arrays, config_key: config})
+            messages[sid] = Message(
+                content, dst_node_id=node_of(sid), message_type=kind, group_id=str(server_round)
+            )
+        return messages

@@ -1,0 +1,45 @@
+"""What one round carries between the wrapper's collaborators."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from flwr.app import Message, MetricRecord
+
+from fedcomp.controlvariates import PendingMirror
+from fedcomp.flower.joint import JointRound
+from fedcomp.results import RoundCounts
+
+
+@dataclass
+class Decoded:
+    """One accepted-so-far reply, decoded."""
+
+    stable_id: int
+    deltas: dict[str, np.ndarray]
+    weight: float
+    metrics: MetricRecord
+    message: Message
+    #: Joint codes: the checked one-bit payloads, decoded together at hand-over.
+    joint: dict[str, bytes] = field(default_factory=dict)
+    #: Residual memory: the mirror this reply moves the client to, stored only once
+    #: the reply is accepted (after the outlier check).
+    pending: PendingMirror | None = None
+    #: Residual memory: the reply's sync mode.
+    sync: int = 0
+
+
+@dataclass
+class RoundState:
+    """Everything one round needs between configure_train and the round's end."""
+
+    number: int
+    t_start: float
+    global_arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    sent: dict[int, Message] = field(default_factory=dict)
+    record: RoundCounts = field(default_factory=RoundCounts)
+    per_client: dict[int, dict[str, Any]] = field(default_factory=dict)
+    tensor_codecs: dict[str, str] = field(default_factory=dict)
+    joint: JointRound | None = None

@@ -1,0 +1,49 @@
+"""Bounded influence of one client on the mean: pure functions over a round's numbers.
+
+The wrapper applies them to decoded updates; they are kept here, Flower-free, so tests
+call them directly. Each needs a robust scale from the round itself (a median), so the
+rules are only applied with three replies or more where stated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+
+def update_norm(deltas: Mapping[str, np.ndarray]) -> float:
+    """L2 norm of an update's floating-point tensors (float64 sums)."""
+    return float(
+        np.sqrt(
+            sum(
+                np.sum(np.square(v, dtype=np.float64))
+                for v in deltas.values()
+                if v.dtype.kind == "f"
+            )
+        )
+    )
+
+
+def weight_cap(weights: Sequence[float], factor: float) -> float | None:
+    """The largest weight a reply may claim: ``factor`` x the median (None: off)."""
+    if factor <= 0 or not weights:
+        return None
+    return factor * float(np.median(weights))
+
+
+def outliers(norms: Sequence[float], factor: float) -> list[bool]:
+    """Which updates are beyond ``factor`` x the median norm (needs three or more)."""
+    if factor <= 0 or len(norms) < 3:
+        return [False] * len(norms)
+    bound = factor * float(np.median(norms))
+    return [norm > bound for norm in norms]
+
+
+def clip_scales(norms: Sequence[float], factor: float) -> list[float]:
+    """Per update, the factor that brings its norm down to ``factor`` x the median
+    norm (1.0 for those within it; all 1.0 with fewer than three updates)."""
+    if factor <= 0 or len(norms) < 3:
+        return [1.0] * len(norms)
+    cap = factor * float(np.median(norms))
+    return [cap / norm if norm > cap > 0 else 1.0 for norm in norms]
