@@ -495,3 +495,14 @@ def test_prefer_onebit_follows_the_crossover_rule():
     # the in-band center needs n b >= 240 answers; side information does not
     assert not prefer_onebit(1e4, 1, 16, 4.0)
     assert prefer_onebit(1e4, 1, 16, 4.0, center="previous")
+
+
+def test_median_of_means_step_leaves_out_weightless_groups() -> None:
+    from fedcomp.onebit.decode import _median_of_means
+
+    est = np.array([[2.0, 4.0], [6.0, 9.0], [100.0, 100.0], [1.0, 1.0]])
+    weights = np.array([2.0, 3.0, 0.0, 1.0])  # group 2 has no weight: it says nothing
+    got = _median_of_means(est, weights)
+    expected = np.median(np.stack([est[0] / 2, est[1] / 3, est[3] / 1]), axis=0)
+    assert np.array_equal(got, expected)
+    assert np.array_equal(_median_of_means(est[:1], weights[:1]), est[0] / 2)

@@ -187,6 +187,170 @@ class Received:
     weights: np.ndarray  # float64 (R,)
 
 
+@dataclass
+class _ChunkAnswers:
+    """One chunk's received answers, summed per entry (group, query, coordinate)."""
+
+    q: np.ndarray  # (R, count, b) query of each answer
+    slots: np.ndarray  # (R, count, b) slot of each answer
+    bits: np.ndarray  # (R, count, b) the answer bits
+    key: np.ndarray  # flattened entry of each answer
+    s1: np.ndarray  # (groups, queries, count) weighted ones
+    s0: np.ndarray  # (groups, queries, count) weights
+    ones: np.ndarray | None  # unweighted ones per entry (None until needed)
+    answers: np.ndarray | None  # unweighted answer counts per entry
+
+
+def _sum_answers(
+    received: Received,
+    qs: QuerySet,
+    lookup: SlotLookup,
+    *,
+    seed: int,
+    first: int,
+    count: int,
+    groups: int,
+    group_of: np.ndarray,
+    unit_weights: bool,
+) -> _ChunkAnswers:
+    """Step 1: regenerate each answer's query from public randomness and sum the
+    answers per (group, query, coordinate): ``S1`` weighted ones, ``S0`` weights."""
+    n, b, num_q = qs.num_clients, qs.bits, qs.num_queries
+    num_rx = received.client_indices.size
+    weights = received.weights
+    size = groups * num_q * count
+    offsets, shifts = coordinate_draws(seed, first, count, n)
+    slots = client_slots(received.client_indices.reshape(-1, 1), shifts, n, b)  # wire order
+    q = lookup(slots, offsets[:, None])
+    lo, hi = first * b // 8, -(-(first + count) * b // 8)
+    bits = np.unpackbits(received.packed[:, lo:hi], axis=1, bitorder="little")
+    bits = bits[:, : count * b].reshape(num_rx, count, b)
+    key = q.astype(np.int64)
+    if groups > 1:
+        key += (group_of * num_q).reshape(-1, 1, 1)
+    key *= count
+    key += np.arange(count)[:, None]
+    key = key.reshape(-1)
+    shape3 = (groups, num_q, count)
+    if unit_weights:
+        # One integer bincount of (key, bit) pairs gives both answers and ones.
+        pairs = np.bincount(key * 2 + bits.reshape(-1), minlength=2 * size)
+        ones, answers = pairs[1::2], pairs[0::2] + pairs[1::2]
+        s1 = ones * weights[0]
+        s0 = answers * weights[0]
+    else:
+        w_full = np.broadcast_to(weights.reshape(-1, 1, 1), q.shape).reshape(-1)
+        s1 = np.bincount(key, weights=bits.reshape(-1) * w_full, minlength=size)
+        s0 = np.bincount(key, weights=w_full, minlength=size)
+        ones = answers = None
+    return _ChunkAnswers(q, slots, bits, key, s1.reshape(shape3), s0.reshape(shape3), ones, answers)
+
+
+def _center(
+    chunk: _ChunkAnswers,
+    qs: QuerySet,
+    c0: np.ndarray,
+    *,
+    groups: int,
+    count: int,
+    localize_center: bool,
+    min_resultant: float,
+) -> tuple[np.ndarray, int]:
+    """Step 2: the coarse center, localized from the LOC answers (one vote per client,
+    whatever its weight) or the side information; and how many coordinates stopped."""
+    num_loc = qs.num_loc  # LOC rows come first in the table
+    if not (localize_center and num_loc):
+        return np.asarray(c0, dtype=np.float64), 0
+    shape3 = (groups, qs.num_queries, count)
+    ones, answers = chunk.ones, chunk.answers
+    if ones is None:
+        loc = (chunk.q < num_loc).reshape(-1)
+        loc_size = groups * qs.num_queries * count  # LOC rows are the first of each group
+        ones = np.bincount(chunk.key[loc], weights=chunk.bits.reshape(-1)[loc], minlength=loc_size)
+        answers = np.bincount(chunk.key[loc], minlength=loc_size)
+    center, stopped = localize(
+        ones.reshape(shape3)[:, :num_loc].sum(axis=0),
+        answers.reshape(shape3)[:, :num_loc].sum(axis=0),
+        c0,
+        qs.geometry.periods,
+        min_resultant,
+    )
+    return center, int(np.count_nonzero(stopped))
+
+
+def _drawn_sums(
+    chunk: _ChunkAnswers,
+    qs: QuerySet,
+    received: Received,
+    center: np.ndarray,
+    u_range: tuple[int, int],
+    *,
+    seed: int,
+    first: int,
+    count: int,
+    groups: int,
+    unit_weights: bool,
+) -> np.ndarray | None:
+    """Step 3: answers of the queries with a public U (BASE, SREF): per entry, the
+    sum of w (B - B_c(U)), with the U regenerated from the public seed."""
+    q, weights = chunk.q, received.weights
+    draw = (q >= u_range[0]) & (q < u_range[1])
+    if not draw.any():
+        return None
+    coords = np.broadcast_to(np.arange(first, first + count)[:, None], q.shape)[draw]
+    u = slot_uniforms(seed, coords, chunk.slots[draw], qs.num_clients * qs.bits)
+    bc = answer(qs, q[draw], center[coords - first], u)
+    diff = chunk.bits[draw] - bc.astype(np.float64)
+    if not unit_weights:
+        diff *= np.broadcast_to(weights.reshape(-1, 1, 1), q.shape)[draw]
+    else:
+        diff *= weights[0]
+    size = groups * qs.num_queries * count
+    sums = np.bincount(chunk.key[draw.reshape(-1)], weights=diff, minlength=size)
+    return sums.reshape(groups, qs.num_queries * count)
+
+
+def _refine(
+    chunk: _ChunkAnswers,
+    qs: QuerySet,
+    used: list,
+    center: np.ndarray,
+    drawn_sums: np.ndarray | None,
+    *,
+    groups: int,
+    count: int,
+) -> np.ndarray:
+    """Step 4: the telescoping estimate of z - center per group: only the queries the
+    safe phases use carry weight (per coordinate at most one BASE and two refinement
+    queries per scale, docs/onebit.md), each Horvitz-Thompson weighted by its planned
+    inclusion probability."""
+    phases = safe_phases(center, qs)
+    flat_s1 = chunk.s1.reshape(groups, -1)
+    flat_s0 = chunk.s0.reshape(groups, -1)
+    est = np.zeros((groups, count))
+    arange = np.arange(count)
+    for row in used:
+        pattern = phases[row.scale] * 2 + phases[row.scale + 1]
+        qsel = row.query[pattern]
+        cf = row.coef[pattern]
+        idx = qsel * count + arange
+        if row.drawn:
+            value = drawn_sums[:, idx] if drawn_sums is not None else 0.0
+        else:
+            at_center = answer(qs, qsel, center, None)
+            value = flat_s1[:, idx] - at_center * flat_s0[:, idx]
+        est += cf * value / qs.inclusion[qsel]
+    return est
+
+
+def _median_of_means(est: np.ndarray, group_weight: np.ndarray) -> np.ndarray:
+    """Step 5: each live group's weighted mean, then their median (one group: the mean).
+    A group whose clients all weigh 0 says nothing and is left out."""
+    live = group_weight > 0
+    per_group = est[live] / group_weight[live, None]
+    return per_group[0] if per_group.shape[0] == 1 else np.median(per_group, axis=0)
+
+
 def decode_joint(
     received: Received,
     qs: QuerySet,
@@ -200,12 +364,15 @@ def decode_joint(
 ) -> JointDecode:
     """Decode the weighted mean of z from the received clients' bits.
 
-    The answers are first summed per (group, query, coordinate): ``S1`` the weighted
-    ones, ``S0`` the weights, ``N`` the count. A deterministic query's control variate
-    ``B_c`` and coefficient depend only on (query, coordinate), so its contribution is
-    ``coef (S1 - B_c S0)``; queries with a public U (BASE, SREF) sum
-    ``w (B - B_c(U))`` per answer. Per-answer work is thus a table lookup and a few
-    bincounts, whatever the number of queries.
+    Chunk by chunk of coordinates, in named steps: sum the answers per (group, query,
+    coordinate) (:func:`_sum_answers`: ``S1`` the weighted ones, ``S0`` the weights),
+    find the coarse center (:func:`_center`), sum the public-U queries' answers
+    (:func:`_drawn_sums`), refine (:func:`_refine`) and take the median of means
+    (:func:`_median_of_means`). A deterministic query's control variate ``B_c`` and
+    coefficient depend only on (query, coordinate), so its contribution is
+    ``coef (S1 - B_c S0)``; queries with a public U (BASE, SREF) sum ``w (B - B_c(U))``
+    per answer. Per-answer work is thus a table lookup and a few bincounts, whatever
+    the number of queries.
 
     Parameters
     ----------
@@ -222,115 +389,67 @@ def decode_joint(
     Missing replies need no special estimator: whether a client answers query q is
     public randomness, independent of who replied, so Horvitz-Thompson with the
     PLANNED inclusion probabilities ``pi_q`` and ``W`` = the weight of the clients that
-    replied is unbiased for their weighted mean. (ONEBIT.md's per-coordinate ratio
+    replied is unbiased for their weighted mean. (A per-coordinate ratio
     ``pi_q' = answers received / n received`` is biased toward c: a coarse query with
     no received answer at a coordinate drops its whole contribution. Measured: all
     x = 300, 40 of 60 replying, the ratio decoder gave 113.)
     """
-    n, b = qs.num_clients, qs.bits
+    b = qs.bits
     num_rx = received.client_indices.size
-    num_q = qs.num_queries
-    table = coefficient_table(qs).reshape(num_q, 4)
-    needs_u = qs.needs_uniform()
-    num_loc = qs.num_loc  # LOC rows come first in the table
+    table = coefficient_table(qs).reshape(qs.num_queries, 4)
     lookup = SlotLookup(qs.cuts)
     weights = received.weights
     unit_weights = bool(np.all(weights == weights[0]))
     groups = max(1, min(groups, num_rx))
     group_of = np.arange(num_rx) % groups
     group_weight = np.bincount(group_of, weights=weights, minlength=groups)
-    live = group_weight > 0  # a group whose clients all weigh 0 says nothing
-    chunk = max(8, (DECODE_ENTRIES // max(1, num_rx * b)) // 8 * 8)
+    chunk_size = max(8, (DECODE_ENTRIES // max(1, num_rx * b)) // 8 * 8)
     mean = np.empty(numel)
     center_all = np.empty(numel)
     stopped_total = 0
-    idx_r = received.client_indices.reshape(-1, 1)
     # Queries with a public U are one contiguous run of rows (BASE, then SREF).
-    drawn = np.flatnonzero(needs_u)
-    u_lo, u_hi = int(drawn.min()), int(drawn.max()) + 1
-    assert drawn.size == u_hi - u_lo
-    used = used_queries(qs, table.reshape(num_q, 2, 2))
-    for first in range(0, numel, chunk):
-        count = min(chunk, numel - first)
-        size = groups * num_q * count
-        offsets, shifts = coordinate_draws(seed, first, count, n)
-        slots = client_slots(idx_r, shifts, n, b)  # (R, count, b), the wire's order
-        q = lookup(slots, offsets[:, None])
-        lo, hi = first * b // 8, -(-(first + count) * b // 8)
-        bits = np.unpackbits(received.packed[:, lo:hi], axis=1, bitorder="little")
-        bits = bits[:, : count * b].reshape(num_rx, count, b)
-        # Entry key: (group, query, coordinate) flattened.
-        key = q.astype(np.int64)
-        if groups > 1:
-            key += (group_of * num_q).reshape(-1, 1, 1)
-        key *= count
-        key += np.arange(count)[:, None]
-        key = key.reshape(-1)
-        shape3 = (groups, num_q, count)
-        if unit_weights:
-            # One integer bincount of (key, bit) pairs gives both answers and ones.
-            pairs = np.bincount(key * 2 + bits.reshape(-1), minlength=2 * size)
-            ones, answers = pairs[1::2], pairs[0::2] + pairs[1::2]
-            s1 = ones * weights[0]
-            s0 = answers * weights[0]
-        else:
-            w_full = np.broadcast_to(weights.reshape(-1, 1, 1), q.shape).reshape(-1)
-            s1 = np.bincount(key, weights=bits.reshape(-1) * w_full, minlength=size)
-            s0 = np.bincount(key, weights=w_full, minlength=size)
-            ones = answers = None
-        s1, s0 = s1.reshape(shape3), s0.reshape(shape3)
+    drawn = np.flatnonzero(qs.needs_uniform())
+    u_range = (int(drawn.min()), int(drawn.max()) + 1)
+    assert drawn.size == u_range[1] - u_range[0]
+    used = used_queries(qs, table.reshape(qs.num_queries, 2, 2))
+    shape = {"groups": groups}
+    for first in range(0, numel, chunk_size):
+        count = min(chunk_size, numel - first)
+        chunk = _sum_answers(
+            received,
+            qs,
+            lookup,
+            seed=seed,
+            first=first,
+            count=count,
+            group_of=group_of,
+            unit_weights=unit_weights,
+            **shape,
+        )
         c0 = np.zeros(count) if start is None else start[first : first + count]
-        if localize_center and num_loc:
-            # Votes are unweighted: one client is one vote, whatever its weight.
-            if ones is None:
-                loc = (q < num_loc).reshape(-1)
-                loc_size = groups * num_q * count  # LOC rows are the first of each group
-                ones = np.bincount(key[loc], weights=bits.reshape(-1)[loc], minlength=loc_size)
-                answers = np.bincount(key[loc], minlength=loc_size)
-            center, stopped = localize(
-                ones.reshape(shape3)[:, :num_loc].sum(axis=0),
-                answers.reshape(shape3)[:, :num_loc].sum(axis=0),
-                c0,
-                qs.geometry.periods,
-                min_resultant,
-            )
-            stopped_total += int(np.count_nonzero(stopped))
-        else:
-            center = np.asarray(c0, dtype=np.float64)
-        phases = safe_phases(center, qs)
-        # Answers of queries with a public U: sum w (B - B_c(U)) per (group, query, k).
-        drawn_sums = None
-        draw = (q >= u_lo) & (q < u_hi)
-        if draw.any():
-            coords = np.broadcast_to(np.arange(first, first + count)[:, None], q.shape)[draw]
-            u = slot_uniforms(seed, coords, slots[draw], n * b)
-            bc = answer(qs, q[draw], center[coords - first], u)
-            diff = bits[draw] - bc.astype(np.float64)
-            if not unit_weights:
-                diff *= np.broadcast_to(weights.reshape(-1, 1, 1), q.shape)[draw]
-            else:
-                diff *= weights[0]
-            drawn_sums = np.bincount(key[draw.reshape(-1)], weights=diff, minlength=size)
-            drawn_sums = drawn_sums.reshape(groups, num_q * count)
-        # Only the queries the safe phases use carry weight: per coordinate at most
-        # one BASE and two refinement queries per scale (ONEBIT.md, step 3).
-        flat_s1 = s1.reshape(groups, -1)
-        flat_s0 = s0.reshape(groups, -1)
-        est = np.zeros((groups, count))
-        arange = np.arange(count)
-        for row in used:
-            pattern = phases[row.scale] * 2 + phases[row.scale + 1]
-            qsel = row.query[pattern]
-            cf = row.coef[pattern]
-            idx = qsel * count + arange
-            if row.drawn:
-                value = drawn_sums[:, idx] if drawn_sums is not None else 0.0
-            else:
-                at_center = answer(qs, qsel, center, None)
-                value = flat_s1[:, idx] - at_center * flat_s0[:, idx]
-            est += cf * value / qs.inclusion[qsel]
-        per_group = est[live] / group_weight[live, None]
-        est = per_group[0] if per_group.shape[0] == 1 else np.median(per_group, axis=0)
-        mean[first : first + count] = center + est
+        center, stopped = _center(
+            chunk,
+            qs,
+            c0,
+            count=count,
+            localize_center=localize_center,
+            min_resultant=min_resultant,
+            **shape,
+        )
+        stopped_total += stopped
+        sums = _drawn_sums(
+            chunk,
+            qs,
+            received,
+            center,
+            u_range,
+            seed=seed,
+            first=first,
+            count=count,
+            unit_weights=unit_weights,
+            **shape,
+        )
+        est = _refine(chunk, qs, used, center, sums, count=count, **shape)
+        mean[first : first + count] = center + _median_of_means(est, group_weight)
         center_all[first : first + count] = center
     return JointDecode(mean=mean, center=center_all, stopped_early=stopped_total)
