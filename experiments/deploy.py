@@ -6,7 +6,7 @@
     python -m experiments.deploy deployment=edge deployment.superlink.address=fl.example.org:9093
 
 The config is ``conf/deploy.yaml``: the experiment of ``conf/config.yaml`` plus the
-``deployment`` group (``conf/deployment/``, schema :mod:`fedcomp.deployment`).
+``deployment`` group (``conf/deployment/``, schema :mod:`experiments.deployment.settings`).
 ``results.json`` lands in the Hydra run directory, as with ``experiments.run``;
 process logs and the staged app in its ``deploy/`` subdirectory. Exit code 1 on a
 failure (the message names the component), 130 on Ctrl-C; either way every process
@@ -28,9 +28,9 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from experiments.deployment.settings import DeploymentSettings
 from experiments.run import CONF_DIR, settings_from_cfg
 from experiments.runtime import quiet_flower
-from fedcomp.deployment import DeploymentSettings
 from fedcomp.settings import Settings
 
 log = logging.getLogger("experiments.deploy")
@@ -71,7 +71,7 @@ def split_cfg(cfg: DictConfig) -> tuple[DictConfig, DeploymentSettings]:
 
 def deploy(cfg: DictConfig, run_dir: Path, *, verbose: bool = False) -> dict[str, Any]:
     """Validate everything (before any process starts), deploy, run, stop; return results."""
-    from experiments.launcher import Launch, launch
+    from experiments.deployment.launcher import Launch, launch
     from fedcomp.flower.records import fmt, log_line
 
     run_cfg, deployment = split_cfg(cfg)
@@ -105,7 +105,7 @@ def deploy(cfg: DictConfig, run_dir: Path, *, verbose: bool = False) -> dict[str
 @hydra.main(config_path=CONF_DIR, config_name="deploy", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     """Hydra entry point: exit 1 naming the failing component, 130 on Ctrl-C."""
-    from experiments.launcher import DeploymentError, Interrupted
+    from experiments.deployment.processes import DeploymentError, Interrupted
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     verbose = bool(OmegaConf.select(cfg, "verbose", default=False))

@@ -27,23 +27,11 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from experiments.deploy import CONF_DIR, deploy_schema, split_cfg
-from experiments.inprocess import InProcessGrid
-from experiments.launcher import (
-    DeploymentError,
-    Launch,
-    child_env,
-    free_port,
-    launch,
-    remove_connection,
-    stage_app,
-    superlink_argv,
-    supernode_argv,
-    tail,
-    write_connection,
-)
-from experiments.run import settings_from_cfg
-from experiments.runtime import PROJECT_ROOT
-from fedcomp.deployment import (
+from experiments.deployment.argv import superlink_argv, supernode_argv
+from experiments.deployment.flwr_cli import remove_connection, stage_app, write_connection
+from experiments.deployment.launcher import Launch, launch
+from experiments.deployment.processes import DeploymentError, child_env, free_port, tail
+from experiments.deployment.settings import (
     AuthSettings,
     DeploymentSettings,
     SuperLinkSettings,
@@ -54,6 +42,9 @@ from fedcomp.deployment import (
     node_specs,
     validate_deployment,
 )
+from experiments.inprocess import InProcessGrid
+from experiments.run import settings_from_cfg
+from experiments.runtime import PROJECT_ROOT
 from fedcomp.results import load_results
 from fedcomp.settings import Settings, settings_from_dict, settings_from_run_config
 
