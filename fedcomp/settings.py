@@ -66,6 +66,16 @@ class DatasetSettings:
     num_samples: int = 6000
     tail_df: float = 3.0
 
+    def check(self) -> None:
+        """Raise naming ``dataset.<key>`` when a value is out of range."""
+        _check_choice("dataset.name", self.name, DATASETS)
+        if not 0.0 < self.test_fraction < 1.0:
+            _fail("dataset.test_fraction", self.test_fraction, "must be in (0, 1)")
+        if self.num_samples < 2:
+            _fail("dataset.num_samples", self.num_samples, "must be >= 2")
+        if not self.tail_df > 0.0:
+            _fail("dataset.tail_df", self.tail_df, "Student-t degrees of freedom must be > 0")
+
 
 @dataclass
 class PartitionSettings:
@@ -79,6 +89,18 @@ class PartitionSettings:
     #: Fraction of each client's partition held out for client-side evaluation.
     val_fraction: float = 0.2
 
+    def check(self) -> None:
+        """Raise naming ``partition.<key>`` when a value is out of range."""
+        _check_choice("partition.name", self.name, PARTITIONS)
+        if self.classes_per_client < 1:
+            _fail("partition.classes_per_client", self.classes_per_client, "must be >= 1")
+        if self.alpha <= 0.0:
+            _fail("partition.alpha", self.alpha, "the Dirichlet alpha must be > 0")
+        if self.min_partition_size < 1:
+            _fail("partition.min_partition_size", self.min_partition_size, "must be >= 1")
+        if not 0.0 <= self.val_fraction < 1.0:
+            _fail("partition.val_fraction", self.val_fraction, "must be in [0, 1)")
+
 
 @dataclass
 class ModelSettings:
@@ -90,6 +112,11 @@ class ModelSettings:
 
     name: str = "mlp"
     hidden: list[int] = field(default_factory=lambda: [512, 128])
+
+    def check(self) -> None:
+        """Raise naming ``model.<key>`` when a value is out of range."""
+        _check_choice("model.name", self.name, MODELS)
+        _check_model_widths(self)
 
 
 @dataclass
@@ -107,12 +134,33 @@ class TrainSettings:
     noise_df: float = 0.0
     noise_scale: float = 0.0
 
+    def check(self) -> None:
+        """Raise naming ``train.<key>`` when a value is out of range."""
+        if self.local_epochs <= 0:
+            _fail("train.local_epochs", self.local_epochs, "must be a positive integer")
+        if self.batch_size <= 0:
+            _fail("train.batch_size", self.batch_size, "must be a positive integer")
+        if self.lr <= 0.0:
+            _fail("train.lr", self.lr, "must be > 0")
+        if not 0.0 <= self.momentum < 1.0:
+            _fail("train.momentum", self.momentum, "must be in [0, 1)")
+        _check_choice("train.device", self.device, DEVICES)
+        if self.noise_df < 0 or not math.isfinite(self.noise_df):
+            _fail("train.noise_df", self.noise_df, "must be 0 (off) or a positive number")
+        if self.noise_scale < 0 or not math.isfinite(self.noise_scale):
+            _fail("train.noise_scale", self.noise_scale, "must be a finite number >= 0")
+
 
 @dataclass
 class PolicySettings:
     """Tensors with fewer elements than ``min_numel`` (and integer buffers) travel raw."""
 
     min_numel: int = 256
+
+    def check(self) -> None:
+        """Raise naming ``policy.min_numel`` when it is negative."""
+        if self.min_numel < 0:
+            _fail("policy.min_numel", self.min_numel, "must be >= 0")
 
 
 @dataclass
@@ -158,6 +206,15 @@ class FaultSettings:
     corrupt_payload: float = 0.0
     nan_update: float = 0.0
 
+    def check(self) -> None:
+        """Raise naming ``faults.<key>`` for a rate outside [0, 1] or rates summing past 1."""
+        rates = dataclasses.asdict(self)
+        for key, rate in rates.items():
+            if not (isinstance(rate, int | float) and 0.0 <= rate <= 1.0):
+                _fail(f"faults.{key}", rate, "must be a probability in [0, 1]")
+        if sum(rates.values()) > 1.0:
+            _fail("faults", rates, "the fault probabilities must sum to at most 1")
+
 
 @dataclass
 class SimulationSettings:
@@ -168,6 +225,17 @@ class SimulationSettings:
     gpus_per_client: float = 0.0
     #: Seconds the server waits for replies in one round.
     round_timeout: float = 600.0
+
+    def check(self) -> None:
+        """Raise naming ``simulation.<key>`` when a value is out of range."""
+        if self.num_cpus <= 0:
+            _fail("simulation.num_cpus", self.num_cpus, "must be a positive integer")
+        if self.cpus_per_client <= 0:
+            _fail("simulation.cpus_per_client", self.cpus_per_client, "must be > 0")
+        if self.gpus_per_client < 0:
+            _fail("simulation.gpus_per_client", self.gpus_per_client, "must be >= 0")
+        if self.round_timeout <= 0:
+            _fail("simulation.round_timeout", self.round_timeout, "must be > 0")
 
 
 @dataclass
@@ -305,7 +373,9 @@ def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
 
 
 def validate(settings: Settings) -> Settings:
-    """Check every value that can be checked without loading data.
+    """Check every value that can be checked without loading data: each settings group
+    checks itself, then the rules across groups (written once: the server's in
+    fedcomp.rules, which CompressedStrategy's constructor applies too).
 
     Returns the settings unchanged so calls can be chained; raises ``ValueError``
     naming the key, the value and what is allowed.
@@ -317,14 +387,9 @@ def validate(settings: Settings) -> Settings:
         _fail("num_clients", s.num_clients, "must be a positive integer")
     if s.seed < 0:
         _fail("seed", s.seed, "must be a non-negative integer")
-    _check_choice("dataset.name", s.dataset.name, DATASETS)
-    if not 0.0 < s.dataset.test_fraction < 1.0:
-        _fail("dataset.test_fraction", s.dataset.test_fraction, "must be in (0, 1)")
-    if s.dataset.num_samples < 2:
-        _fail("dataset.num_samples", s.dataset.num_samples, "must be >= 2")
-    if not s.dataset.tail_df > 0.0:
-        _fail("dataset.tail_df", s.dataset.tail_df, "Student-t degrees of freedom must be > 0")
-    _check_choice("partition.name", s.partition.name, PARTITIONS)
+    _check_choice("progress", s.progress, PROGRESS)
+    for group in (s.dataset, s.partition, s.model, s.train, s.policy, s.faults, s.simulation):
+        group.check()
     if s.partition.name == "natural" and s.dataset.name != "femnist":
         _fail(
             "partition.name",
@@ -332,39 +397,13 @@ def validate(settings: Settings) -> Settings:
             f"a natural (per-writer) partition needs writer ids, which only femnist has "
             f"(dataset.name={s.dataset.name!r}): use dirichlet, pathological or iid",
         )
-    if s.partition.classes_per_client < 1:
-        _fail("partition.classes_per_client", s.partition.classes_per_client, "must be >= 1")
-    if s.partition.alpha <= 0.0:
-        _fail("partition.alpha", s.partition.alpha, "the Dirichlet alpha must be > 0")
-    if s.partition.min_partition_size < 1:
-        _fail("partition.min_partition_size", s.partition.min_partition_size, "must be >= 1")
-    if not 0.0 <= s.partition.val_fraction < 1.0:
-        _fail("partition.val_fraction", s.partition.val_fraction, "must be in [0, 1)")
-    _check_choice("model.name", s.model.name, MODELS)
-    _check_model_widths(s.model)
-    if s.train.local_epochs <= 0:
-        _fail("train.local_epochs", s.train.local_epochs, "must be a positive integer")
-    if s.train.batch_size <= 0:
-        _fail("train.batch_size", s.train.batch_size, "must be a positive integer")
-    if s.train.lr <= 0.0:
-        _fail("train.lr", s.train.lr, "must be > 0")
-    if not 0.0 <= s.train.momentum < 1.0:
-        _fail("train.momentum", s.train.momentum, "must be in [0, 1)")
-    _check_choice("train.device", s.train.device, DEVICES)
-    if s.train.noise_df < 0 or not math.isfinite(s.train.noise_df):
-        _fail("train.noise_df", s.train.noise_df, "must be 0 (off) or a positive number")
-    if s.train.noise_scale < 0 or not math.isfinite(s.train.noise_scale):
-        _fail("train.noise_scale", s.train.noise_scale, "must be a finite number >= 0")
-    _check_choice("progress", s.progress, PROGRESS)
     if "name" not in s.codec:
         _fail("codec", s.codec, "a codec spec needs a 'name'")
-    if s.policy.min_numel < 0:
-        _fail("policy.min_numel", s.policy.min_numel, "must be >= 0")
     if "name" not in s.strategy:
         _fail("strategy", s.strategy, "a strategy spec needs a 'name'")
     _check_choice("strategy.name", s.strategy["name"], STRATEGIES)
     a = s.aggregation
-    check_server_options(  # the rules CompressedStrategy's constructor applies too
+    check_server_options(
         codec_name=str(s.codec["name"]),
         handoff=a.handoff,
         strategy_name=str(s.strategy["name"]),
@@ -375,20 +414,6 @@ def validate(settings: Settings) -> Settings:
         norm_cap=a.norm_cap,
         reject_factor=a.reject_factor,
     )
-    rates = dataclasses.asdict(s.faults)
-    for key, rate in rates.items():
-        if not (isinstance(rate, int | float) and 0.0 <= rate <= 1.0):
-            _fail(f"faults.{key}", rate, "must be a probability in [0, 1]")
-    if sum(rates.values()) > 1.0:
-        _fail("faults", rates, "the fault probabilities must sum to at most 1")
-    if s.simulation.num_cpus <= 0:
-        _fail("simulation.num_cpus", s.simulation.num_cpus, "must be a positive integer")
-    if s.simulation.cpus_per_client <= 0:
-        _fail("simulation.cpus_per_client", s.simulation.cpus_per_client, "must be > 0")
-    if s.simulation.gpus_per_client < 0:
-        _fail("simulation.gpus_per_client", s.simulation.gpus_per_client, "must be >= 0")
-    if s.simulation.round_timeout <= 0:
-        _fail("simulation.round_timeout", s.simulation.round_timeout, "must be > 0")
     return s
 
 
