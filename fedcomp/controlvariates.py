@@ -1,4 +1,10 @@
-"""The server side of residual compression: per-client mirrors of the control variates.
+"""Residual compression's protocol, both halves: the client's reply (sync mode, the
+encoded residual, the h it leads to) and the server's per-client mirrors.
+
+The client half (:func:`choose_sync`, :func:`encode_residual`, :func:`residual_header`)
+is what the client mod runs on the tensors the policy compresses; the server half
+(``MirrorStore``, ``ControlVariateServer``) reconstructs the same updates and keeps the
+same h. Both update h with the same float32 expression (``apply_residual``).
 
 ``MirrorStore`` keeps one mirror h_m per stable client id, in memory or in a directory
 (one ``.npz`` per client, written atomically), so cross-device runs are not bounded by
@@ -18,7 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
+from fedcomp.codecs.base import Codec
+from fedcomp.codecs.policy import TensorPolicy
 from fedcomp.codecs.residual import (
     SYNC_FULL,
     SYNC_NORMAL,
@@ -28,6 +37,106 @@ from fedcomp.codecs.residual import (
     state_checksum,
 )
 from fedcomp.failures import Failure, Rejection
+from fedcomp.keys import (
+    KEY_CV_CHECKSUM,
+    KEY_CV_VERSION,
+    KEY_RESYNC,
+    METRIC_CV_BOUND,
+    METRIC_CV_DELTA,
+    METRIC_CV_NOISE,
+    METRIC_CV_RESIDUAL,
+)
+
+# --- client half ---------------------------------------------------------------------
+
+
+def covered_tensors(
+    deltas: Mapping[str, torch.Tensor], policy: TensorPolicy, inner: Codec
+) -> set[str]:
+    """The tensors under the control variate: those the policy compresses."""
+    return {n for n, d in deltas.items() if policy.codec_for(d, inner) is inner}
+
+
+def choose_sync(
+    *,
+    version: int,
+    h: Mapping[str, np.ndarray],
+    covered: set[str],
+    shapes: Mapping[str, tuple[int, ...]],
+    resync_asked: bool,
+    bootstrap: str,
+) -> int:
+    """What this reply is: a normal residual, a full-precision resync, or a restart.
+
+    No usable state (a new device, wiped state, a changed model) restarts in this very
+    reply, from h = 0 or with a full-precision resync (the bootstrap setting); a server
+    that asks for a resync always gets full precision.
+    """
+    stateless = version == 0 or set(h) != covered or any(h[n].shape != shapes[n] for n in covered)
+    if resync_asked:
+        return SYNC_FULL
+    if stateless:
+        return SYNC_FULL if bootstrap == "fp32" else SYNC_RESTART
+    return SYNC_NORMAL
+
+
+def encode_residual(
+    memory: ResidualMemory,
+    policy: TensorPolicy,
+    deltas: Mapping[str, torch.Tensor],
+    seeds: Mapping[str, int],
+    h: Mapping[str, np.ndarray],
+    covered: set[str],
+    *,
+    full: bool,
+    fp32: Codec,
+) -> tuple[dict[str, bytes], dict[str, np.ndarray], dict[str, float]]:
+    """Encode delta - h on the covered tensors (h = 0 where absent); the other tensors
+    as the policy says. Returns the payloads, the h each covered tensor leads to, and
+    the statistics (||delta - h||^2, ||delta||^2, the noise, omega ||r||^2). ``full``
+    sends the covered tensors in ``fp32`` and sets h = delta (alpha = 1)."""
+    payloads, pending = {}, {}
+    stats = dict.fromkeys(
+        (METRIC_CV_RESIDUAL, METRIC_CV_DELTA, METRIC_CV_NOISE, METRIC_CV_BOUND), 0.0
+    )
+    for name, delta in deltas.items():
+        if name not in covered:
+            payloads[name] = bytes(
+                policy.codec_for(delta, memory.inner).encode(delta, seed=seeds[name])
+            )
+            continue
+        delta_np = delta.to(torch.float32).numpy()
+        delta2 = float(np.square(delta_np, dtype=np.float64).sum())
+        stats[METRIC_CV_DELTA] += delta2
+        if full:
+            payload = fp32.encode(delta, seed=seeds[name])
+            pending[name] = apply_residual(None, fp32.decode(payload).numpy(), 1.0)
+            stats[METRIC_CV_RESIDUAL] += delta2
+        else:
+            base = h.get(name)
+            payload, r_hat = memory.encode(delta, base, seed=seeds[name])
+            r = delta_np if base is None else delta_np - base
+            r2 = float(np.square(r, dtype=np.float64).sum())
+            pending[name] = apply_residual(base, r_hat, memory.alpha_for(delta.numel()))
+            stats[METRIC_CV_RESIDUAL] += r2
+            stats[METRIC_CV_NOISE] += float(np.square(r_hat - r, dtype=np.float64).sum())
+            stats[METRIC_CV_BOUND] += memory.noise_bound(r2, delta.numel())
+        payloads[name] = bytes(payload)
+    return payloads, pending, stats
+
+
+def residual_header(sync: int, version: int, h: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    """The reply header fields the server checks its mirror against."""
+    normal = sync == SYNC_NORMAL
+    return {
+        KEY_CV_VERSION: version if normal else 0,
+        # Not "": Flower's ConfigRecord.count_bytes raises on empty strings.
+        KEY_CV_CHECKSUM: state_checksum(h) if normal else "none",
+        KEY_RESYNC: sync,
+    }
+
+
+# --- server half ---------------------------------------------------------------------
 
 
 @dataclass

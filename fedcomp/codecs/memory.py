@@ -12,12 +12,17 @@ client, committed only once the server acknowledged the reply that carried it.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from fedcomp.codecs.base import Codec
 from fedcomp.codecs.wire import Payload
+
+if TYPE_CHECKING:  # policy imports the codecs; only its type is needed here
+    from fedcomp.codecs.policy import TensorPolicy
 
 
 class Memory:
@@ -70,3 +75,30 @@ class ErrorFeedback(Memory):
     def reconstruct(self, decoded: torch.Tensor, state: Any = None) -> tuple[torch.Tensor, Any]:
         """Server side: EF needs no server state, the decoded payload is the update."""
         return decoded, state
+
+
+def encode_with_feedback(
+    memory: ErrorFeedback,
+    policy: TensorPolicy,
+    deltas: Mapping[str, torch.Tensor],
+    seeds: Mapping[str, int],
+    carried: Mapping[str, np.ndarray],
+) -> tuple[dict[str, bytes], dict[str, np.ndarray]]:
+    """The client half of error feedback on one reply: encode delta + the carried error
+    on the tensors the policy compresses (raw tensors carry none); returns the payloads
+    and the new errors, which the client commits once the server acknowledged them."""
+    payloads, pending = {}, {}
+    for name, delta in deltas.items():
+        codec = policy.codec_for(delta, memory.inner)
+        if codec is not memory.inner:  # raw tensors carry no error
+            payloads[name] = bytes(codec.encode(delta, seed=seeds[name]))
+            continue
+        residual = carried.get(name)
+        if residual is not None and residual.shape != tuple(delta.shape):
+            residual = None  # the model changed shape: start this tensor afresh
+        payload, new_residual = memory.encode(
+            delta, None if residual is None else torch.from_numpy(residual), seed=seeds[name]
+        )
+        payloads[name] = bytes(payload)
+        pending[name] = new_residual.numpy()
+    return payloads, pending

@@ -43,12 +43,16 @@ from fedcomp.codecs import (
     make_codec,
     make_codec_from_spec,
 )
+from fedcomp.codecs.memory import encode_with_feedback
 from fedcomp.codecs.residual import (
     SYNC_FULL,
     SYNC_NORMAL,
-    SYNC_RESTART,
-    apply_residual,
-    state_checksum,
+)
+from fedcomp.controlvariates import (
+    choose_sync,
+    covered_tensors,
+    encode_residual,
+    residual_header,
 )
 from fedcomp.flower.identity import stable_id_of
 from fedcomp.flower.memory_state import (
@@ -62,8 +66,6 @@ from fedcomp.flower.memory_state import (
 from fedcomp.keys import (
     KEY_ACK_ROUND,
     KEY_CODEC,
-    KEY_CV_CHECKSUM,
-    KEY_CV_VERSION,
     KEY_EXPECTED_ID,
     KEY_JOINT_CLIENTS,
     KEY_JOINT_INDEX,
@@ -76,10 +78,6 @@ from fedcomp.keys import (
     KEY_RUN_SEED,
     KEY_STABLE_ID,
     METRIC_CODEC_BYTES,
-    METRIC_CV_BOUND,
-    METRIC_CV_DELTA,
-    METRIC_CV_NOISE,
-    METRIC_CV_RESIDUAL,
     METRIC_ENCODE_S,
     METRIC_FP32_CODEC_BYTES,
     METRIC_FP32_CONTENT_WIRE_BYTES,
@@ -337,7 +335,7 @@ class CompressionMod:
         ack: int,
     ) -> _Encoded:
         carried = memory.begin_round(ack, json.dumps(codec.spec()))
-        payloads, pending = self._encode_with_feedback(codec, policy, deltas, seeds, carried)
+        payloads, pending = encode_with_feedback(codec, policy, deltas, seeds, carried)
         inputs = {  # EF encodes delta + the carried error
             n: d + torch.from_numpy(carried[n])
             if n in pending and n in carried and carried[n].shape == tuple(d.shape)
@@ -356,32 +354,29 @@ class CompressionMod:
         ack: int,
         resync_asked: bool,
     ) -> _Encoded:
+        """The client half of the residual protocol (fedcomp.controlvariates) on this
+        reply; the mod only adapts it to the message."""
         h = memory.begin_round(ack, json.dumps(codec.spec()))
-        covered = {n for n, d in deltas.items() if policy.codec_for(d, codec.inner) is codec.inner}
-        # No usable state (a new device, wiped state, a changed model): restart in this
-        # very reply, from h = 0 or with a full-precision resync (the bootstrap setting).
-        # A server that asks for a resync always gets full precision.
-        stateless = (
-            memory.version == 0
-            or set(h) != covered
-            or any(h[n].shape != tuple(deltas[n].shape) for n in covered)
+        covered = covered_tensors(deltas, policy, codec.inner)
+        sync = choose_sync(
+            version=memory.version,
+            h=h,
+            covered=covered,
+            shapes={n: tuple(d.shape) for n, d in deltas.items()},
+            resync_asked=resync_asked,
+            bootstrap=codec.bootstrap,
         )
-        if resync_asked:
-            sync = SYNC_FULL
-        elif stateless:
-            sync = SYNC_FULL if codec.bootstrap == "fp32" else SYNC_RESTART
-        else:
-            sync = SYNC_NORMAL
         normal = sync == SYNC_NORMAL
-        payloads, pending, stats = self._encode_residual(
-            codec, policy, deltas, seeds, h if normal else {}, covered, full=sync == SYNC_FULL
+        payloads, pending, stats = encode_residual(
+            codec,
+            policy,
+            deltas,
+            seeds,
+            h if normal else {},
+            covered,
+            full=sync == SYNC_FULL,
+            fp32=self._fp32,
         )
-        header = {
-            KEY_CV_VERSION: memory.version if normal else 0,
-            # Not "": Flower's ConfigRecord.count_bytes raises on empty strings.
-            KEY_CV_CHECKSUM: state_checksum(h) if normal else "none",
-            KEY_RESYNC: sync,
-        }
         inputs = (  # the codec encoded delta - h on the covered tensors
             {n: d - torch.from_numpy(h[n]) if n in covered else d for n, d in deltas.items()}
             if normal
@@ -393,7 +388,7 @@ class CompressionMod:
             memory=memory,
             pending=pending,
             pending_version=memory.version + 1 if normal else 1,
-            header=header,
+            header=residual_header(sync, memory.version, h),
             stats=stats,
         )
 
@@ -463,71 +458,3 @@ class CompressionMod:
             name: bytes(policy.codec_for(delta, codec).encode(delta, seed=seeds[name]))
             for name, delta in deltas.items()
         }
-
-    def _encode_residual(
-        self,
-        memory: ResidualMemory,
-        policy: TensorPolicy,
-        deltas: dict[str, torch.Tensor],
-        seeds: dict[str, int],
-        h: dict[str, np.ndarray],
-        covered: set[str],
-        *,
-        full: bool,
-    ) -> tuple[dict[str, bytes], dict[str, np.ndarray], dict[str, float]]:
-        """Encode delta - h on the covered tensors (h = 0 where absent); the new h goes
-        to ``pending``. ``full`` sends them in fp32 and sets h = delta (alpha = 1).
-        """
-        payloads, pending = {}, {}
-        stats = dict.fromkeys(
-            (METRIC_CV_RESIDUAL, METRIC_CV_DELTA, METRIC_CV_NOISE, METRIC_CV_BOUND), 0.0
-        )
-        for name, delta in deltas.items():
-            if name not in covered:
-                payloads[name] = bytes(
-                    policy.codec_for(delta, memory.inner).encode(delta, seed=seeds[name])
-                )
-                continue
-            delta_np = delta.to(torch.float32).numpy()
-            delta2 = float(np.square(delta_np, dtype=np.float64).sum())
-            stats[METRIC_CV_DELTA] += delta2
-            if full:
-                payload = self._fp32.encode(delta, seed=seeds[name])
-                pending[name] = apply_residual(None, self._fp32.decode(payload).numpy(), 1.0)
-                stats[METRIC_CV_RESIDUAL] += delta2
-            else:
-                base = h.get(name)
-                payload, r_hat = memory.encode(delta, base, seed=seeds[name])
-                r = delta_np if base is None else delta_np - base
-                r2 = float(np.square(r, dtype=np.float64).sum())
-                pending[name] = apply_residual(base, r_hat, memory.alpha_for(delta.numel()))
-                stats[METRIC_CV_RESIDUAL] += r2
-                stats[METRIC_CV_NOISE] += float(np.square(r_hat - r, dtype=np.float64).sum())
-                stats[METRIC_CV_BOUND] += memory.noise_bound(r2, delta.numel())
-            payloads[name] = bytes(payload)
-        return payloads, pending, stats
-
-    @staticmethod
-    def _encode_with_feedback(
-        memory: ErrorFeedback,
-        policy: TensorPolicy,
-        deltas: dict[str, torch.Tensor],
-        seeds: dict[str, int],
-        carried: dict[str, np.ndarray],
-    ) -> tuple[dict[str, bytes], dict[str, np.ndarray]]:
-        """Encode with error feedback on the tensors the policy compresses."""
-        payloads, pending = {}, {}
-        for name, delta in deltas.items():
-            codec = policy.codec_for(delta, memory.inner)
-            if codec is not memory.inner:  # raw tensors carry no error
-                payloads[name] = bytes(codec.encode(delta, seed=seeds[name]))
-                continue
-            residual = carried.get(name)
-            if residual is not None and residual.shape != tuple(delta.shape):
-                residual = None  # the model changed shape: start this tensor afresh
-            payload, new_residual = memory.encode(
-                delta, None if residual is None else torch.from_numpy(residual), seed=seeds[name]
-            )
-            payloads[name] = bytes(payload)
-            pending[name] = new_residual.numpy()
-        return payloads, pending
