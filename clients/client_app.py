@@ -29,6 +29,7 @@ from fedcomp.keys import (
     KEY_TASK,
     QUERY_IDENTITY,
     RECORD_IDENTITY,
+    RECORD_METRICS,
 )
 from fedcomp.models import build_model
 from fedcomp.perturb import perturb_update
@@ -130,7 +131,7 @@ def make_client_app(
                 },
             )
         metrics = MetricRecord({KEY_NUM_EXAMPLES: len(train_set), METRIC_TRAIN_LOSS: loss})
-        content = RecordDict({"arrays": ArrayRecord(model.state_dict()), "metrics": metrics})
+        content = RecordDict({"arrays": ArrayRecord(model.state_dict()), RECORD_METRICS: metrics})
         return Message(content, reply_to=msg)
 
     @app.evaluate()
@@ -144,7 +145,7 @@ def make_client_app(
         metrics = MetricRecord(
             {KEY_NUM_EXAMPLES: len(data), METRIC_EVAL_LOSS: loss, METRIC_EVAL_ACC: acc}
         )
-        return Message(RecordDict({"metrics": metrics}), reply_to=msg)
+        return Message(RecordDict({RECORD_METRICS: metrics}), reply_to=msg)
 
     return app
 

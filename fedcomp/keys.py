@@ -53,7 +53,9 @@ KEY_STABLE_ID = "fedcomp.stable-id"
 KEY_CV_VERSION = "fedcomp.cv-version"
 KEY_CV_CHECKSUM = "fedcomp.cv-checksum"
 
-# --- Reply metrics (MetricRecord "metrics") ----------------------------------------
+# --- Reply metrics --------------------------------------------------------------------
+#: The MetricRecord of train and evaluate replies (Flower's quickstart convention).
+RECORD_METRICS = "metrics"
 KEY_NUM_EXAMPLES = "num-examples"
 METRIC_ENCODE_S = "fedcomp.encode-s"
 METRIC_CODEC_BYTES = "fedcomp.codec-bytes"

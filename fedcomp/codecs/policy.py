@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from fedcomp.codecs.base import Codec
@@ -28,6 +30,15 @@ class TensorPolicy:
     def travels_raw(self, floating: bool, numel: int) -> bool:
         """The rule, once for both sides: integer tensors and small ones travel raw."""
         return not floating or numel < self.min_numel
+
+    def compressed(self, arrays: Mapping[str, np.ndarray]) -> list[str]:
+        """The tensors the policy compresses, in model order: the list the client and
+        the server both derive (e.g. the one-bit code's jointly coded tensors)."""
+        return [
+            name
+            for name, array in arrays.items()
+            if not self.travels_raw(np.asarray(array).dtype.kind == "f", np.asarray(array).size)
+        ]
 
     def codec_for(self, x: torch.Tensor, codec: Codec) -> Codec:
         """The codec that tensor ``x`` travels with."""

@@ -20,7 +20,7 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 from fedcomp.aggregate import weighted_mean
 from fedcomp.flower.joint import joint_mean
 from fedcomp.flower.round_state import Decoded, RoundState
-from fedcomp.keys import KEY_NUM_EXAMPLES
+from fedcomp.keys import KEY_NUM_EXAMPLES, RECORD_METRICS
 from fedcomp.onebit import OneBitCode
 from fedcomp.onebit.federated import JointServerState
 from fedcomp.trees.aggregate import TreeConfig, TreeStats, tree_mean
@@ -57,7 +57,7 @@ class PerClient:
                                 for name, delta in d.deltas.items()
                             }
                         ),
-                        "metrics": client_metrics(d),
+                        RECORD_METRICS: client_metrics(d),
                     }
                 ),
                 reply_to=state.sent[d.stable_id],
@@ -138,7 +138,7 @@ class PreAggregated:
         if mean is None:
             return None
         metrics = aggregate_metricrecords(
-            [RecordDict({"metrics": client_metrics(d)}) for d in decoded], KEY_NUM_EXAMPLES
+            [RecordDict({RECORD_METRICS: client_metrics(d)}) for d in decoded], KEY_NUM_EXAMPLES
         )
         metrics[KEY_NUM_EXAMPLES] = sum(d.weight for d in decoded)
         arrays = ArrayRecord(
@@ -147,7 +147,7 @@ class PreAggregated:
                 for name in state.global_arrays
             }
         )
-        content = RecordDict({_ARRAYS: arrays, "metrics": metrics})
+        content = RecordDict({_ARRAYS: arrays, RECORD_METRICS: metrics})
         return [Message(content, reply_to=state.sent[decoded[0].stable_id])]
 
 

@@ -13,7 +13,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 from flwr.app import ArrayRecord
 
 from fedcomp.codecs import PayloadError, TensorPolicy, parse_payload
@@ -40,12 +39,9 @@ class JointRound:
 def joint_names(
     code: OneBitCode, policy: TensorPolicy, global_arrays: Mapping[str, np.ndarray]
 ) -> list[str]:
-    """Tensors the policy compresses, in model order (the client derives the same list)."""
-    return [
-        name
-        for name, array in global_arrays.items()
-        if policy.codec_for(torch.from_numpy(np.asarray(array)), code) is code
-    ]
+    """Tensors the policy compresses, in model order (the client derives the same list
+    with the same function)."""
+    return policy.compressed(global_arrays)
 
 
 def plan_round(

@@ -54,6 +54,7 @@ from fedcomp.controlvariates import (
     encode_residual,
     residual_header,
 )
+from fedcomp.flower.accounting import wire_bytes
 from fedcomp.flower.identity import stable_id_of
 from fedcomp.flower.memory_state import (
     MemoryState,
@@ -86,6 +87,7 @@ from fedcomp.keys import (
     METRIC_STATE_BYTES,
     PROTOCOL_VERSION,
     RECORD_HEADER,
+    RECORD_METRICS,
     RECORD_PAYLOAD,
 )
 from fedcomp.onebit import OneBitCode
@@ -129,11 +131,7 @@ def _joint_plan(
     index, clients = int(config[KEY_JOINT_INDEX]), int(config[KEY_JOINT_CLIENTS])
     if not 0 <= index < clients:
         raise ValueError(f"joint index {index} is not in [0, {clients})")
-    names = []
-    for name in global_record.keys():
-        tensor = torch.from_numpy(np.asarray(global_record[name].numpy()))
-        if policy.codec_for(tensor, code) is code:
-            names.append(name)
+    names = policy.compressed({k: np.asarray(v.numpy()) for k, v in global_record.items()})
     blocks = [code.num_blocks(int(np.prod(global_record[n].shape))) for n in names]
     taus = unpack_taus(config[KEY_JOINT_TAU], blocks)
     return _JointPlan(index=index, clients=clients, taus=dict(zip(names, taus, strict=True)))
@@ -147,13 +145,6 @@ def _single(records: dict, kind: str, where: str) -> tuple[str, object]:
     if len(records) != 1:
         raise ValueError(f"{where} must hold exactly one {kind}, found {len(records)}")
     return next(iter(records.items()))
-
-
-def content_wire_bytes(content: RecordDict) -> int:
-    """Deflated size of a RecordDict's objects (what a SuperNode pushes for it)."""
-    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
-
-    return sum(len(obj.deflate()) for obj in get_all_nested_objects(content).values())
 
 
 def relative_error(payloads: dict[str, bytes], inputs: dict[str, torch.Tensor]) -> float:
@@ -302,7 +293,7 @@ class CompressionMod:
         if self.measure_fp32_reference:
             reference = self._encode_all(self._fp32, policy, deltas, seeds)
             out_metrics[METRIC_FP32_CODEC_BYTES] = sum(len(b) for b in reference.values())
-            out_metrics[METRIC_FP32_CONTENT_WIRE_BYTES] = content_wire_bytes(
+            out_metrics[METRIC_FP32_CONTENT_WIRE_BYTES] = wire_bytes(
                 payload_content(reference)
             )
         header = ConfigRecord(
@@ -316,7 +307,7 @@ class CompressionMod:
         )
         content = payload_content(payloads)
         content[RECORD_HEADER] = header
-        content["metrics"] = out_metrics
+        content[RECORD_METRICS] = out_metrics
         reply = Message(content, reply_to=msg)
         if memory is not None:
             store_memory(ctxt.state, memory)  # last: nothing after this can fail

@@ -33,6 +33,7 @@ from fedcomp.keys import (
     KEY_STABLE_ID,
     PROTOCOL_VERSION,
     RECORD_HEADER,
+    RECORD_METRICS,
     RECORD_PAYLOAD,
 )
 from fedcomp.rng import derive_seed
@@ -81,7 +82,7 @@ def check_reply(
             f"header is for round {header.get(KEY_ROUND)!r}, not {server_round}",
             Failure.WRONG_ROUND,
         )
-    metrics = content.metric_records.get("metrics")
+    metrics = content.metric_records.get(RECORD_METRICS)
     if metrics is None or KEY_NUM_EXAMPLES not in metrics:
         raise ReplyError(f"metrics lack '{KEY_NUM_EXAMPLES}'", Failure.BAD_WEIGHT)
     weight = metrics[KEY_NUM_EXAMPLES]
