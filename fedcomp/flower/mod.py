@@ -17,6 +17,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -171,6 +172,38 @@ def payload_content(payloads: dict[str, bytes]) -> RecordDict:
     return RecordDict({RECORD_PAYLOAD: ArrayRecord({n: _packed(b) for n, b in payloads.items()})})
 
 
+@dataclass
+class _Instruction:
+    """What the mod reads from one train instruction."""
+
+    config: ConfigRecord
+    codec: Any
+    policy: TensorPolicy
+    stable_id: int
+    round: int
+    run_seed: int
+    global_record: ArrayRecord
+    plan: _JointPlan | None
+
+
+def _deltas(
+    reply: Message, global_record: ArrayRecord
+) -> tuple[dict[str, torch.Tensor], MetricRecord]:
+    """The update (trained - received) per tensor, and the user's train metrics."""
+    _, local_record = _single(reply.content.array_records, "ArrayRecord", "train reply")
+    _, metrics = _single(reply.content.metric_records, "MetricRecord", "train reply")
+    if KEY_NUM_EXAMPLES not in metrics:
+        raise ValueError(f"train reply metrics lack '{KEY_NUM_EXAMPLES}'")
+    if set(local_record.keys()) != set(global_record.keys()):
+        raise ValueError("train reply arrays do not have the instruction's keys")
+    deltas = {
+        name: torch.from_numpy(np.asarray(local_record[name].numpy()))
+        - torch.from_numpy(np.asarray(global_record[name].numpy()))
+        for name in global_record.keys()
+    }
+    return deltas, metrics
+
+
 class CompressionMod:
     """Flower mod that replaces a train reply's model with encoded updates.
 
@@ -209,6 +242,42 @@ class CompressionMod:
     def __call__(self, msg: Message, ctxt: Context, call_next: ClientAppCallable) -> Message:
         if msg.metadata.message_type != MessageType.TRAIN:
             return call_next(msg, ctxt)
+        instruction = self._read_instruction(msg, ctxt)
+        if isinstance(instruction, Message):  # a precondition failed: an error reply
+            return instruction
+        reply = call_next(msg, ctxt)
+        if reply.has_error():
+            return reply
+        deltas, metrics = _deltas(reply, instruction.global_record)
+        t0 = time.perf_counter()
+        encoded = self._encode(msg, ctxt, instruction, deltas)
+        encode_s = time.perf_counter() - t0
+        if encoded.memory is not None:
+            encoded.memory.stage(instruction.round, encoded.pending, encoded.pending_version)
+        out_metrics = self._reply_metrics(metrics, encoded, instruction, deltas, encode_s)
+        header = ConfigRecord(
+            {
+                KEY_STABLE_ID: instruction.stable_id,
+                KEY_PROTOCOL: PROTOCOL_VERSION,
+                KEY_ROUND: instruction.round,
+                KEY_CODEC: json.dumps(instruction.codec.spec(), sort_keys=True),
+                **encoded.header,
+            }
+        )
+        content = payload_content(encoded.payloads)
+        content[RECORD_HEADER] = header
+        content[RECORD_METRICS] = out_metrics
+        reply = Message(content, reply_to=msg)
+        if encoded.memory is not None:
+            store_memory(ctxt.state, encoded.memory)  # last: nothing after this can fail
+            directory = self._state_dir(msg)
+            if directory:
+                save_memory_file(memory_path(directory, instruction.stable_id), encoded.memory)
+        return reply
+
+    def _read_instruction(self, msg: Message, ctxt: Context) -> _Instruction | Message:
+        """Everything the reply needs from the instruction, checked BEFORE training (a
+        bad instruction must not cost a round of local work); an error reply if not."""
         config = next((c for c in msg.content.config_records.values() if KEY_CODEC in c), None)
         if config is None:
             return _precondition_error(
@@ -225,7 +294,7 @@ class CompressionMod:
         try:
             codec = make_codec_from_spec(json.loads(str(config[KEY_CODEC])))
             stable_id = stable_id_of(ctxt)
-            self._policy(config)
+            policy = self._policy(config)
         except (ValueError, TypeError) as exc:
             return _precondition_error(msg, f"CompressionMod: {exc}")
         expected = config.get(KEY_EXPECTED_ID)
@@ -237,84 +306,85 @@ class CompressionMod:
         _, global_record = _single(msg.content.array_records, "ArrayRecord", "train instruction")
         plan = None
         if isinstance(codec, OneBitCode):
-            try:  # before training: a bad plan must not cost a round of local work
-                plan = _joint_plan(codec, self._policy(config), config, global_record)
+            try:
+                plan = _joint_plan(codec, policy, config, global_record)
             except (ValueError, TypeError) as exc:
                 return _precondition_error(msg, f"CompressionMod: {exc}")
+        return _Instruction(
+            config=config,
+            codec=codec,
+            policy=policy,
+            stable_id=stable_id,
+            round=int(config[KEY_ROUND]),
+            run_seed=int(config[KEY_RUN_SEED]),
+            global_record=global_record,
+            plan=plan,
+        )
 
-        reply = call_next(msg, ctxt)
-        if reply.has_error():
-            return reply
-        _, local_record = _single(reply.content.array_records, "ArrayRecord", "train reply")
-        _, metrics = _single(reply.content.metric_records, "MetricRecord", "train reply")
-        if KEY_NUM_EXAMPLES not in metrics:
-            raise ValueError(f"train reply metrics lack '{KEY_NUM_EXAMPLES}'")
-        if set(local_record.keys()) != set(global_record.keys()):
-            raise ValueError("train reply arrays do not have the instruction's keys")
-
-        server_round = int(config[KEY_ROUND])
-        run_seed = int(config[KEY_RUN_SEED])
-        policy = self._policy(config)
-        deltas = {
-            name: torch.from_numpy(np.asarray(local_record[name].numpy()))
-            - torch.from_numpy(np.asarray(global_record[name].numpy()))
-            for name in global_record.keys()
+    def _encode(
+        self,
+        msg: Message,
+        ctxt: Context,
+        instruction: _Instruction,
+        deltas: dict[str, torch.Tensor],
+    ) -> _Encoded:
+        """Encode the update with the instruction's codec (memories load their state)."""
+        codec, policy, config = instruction.codec, instruction.policy, instruction.config
+        seeds = {
+            name: derive_seed(instruction.run_seed, instruction.round, instruction.stable_id, name)
+            for name in deltas
         }
-        seeds = {name: derive_seed(run_seed, server_round, stable_id, name) for name in deltas}
         ack = int(config.get(KEY_ACK_ROUND, -1))
-        t0 = time.perf_counter()
         if isinstance(codec, ErrorFeedback):
             memory = self._load_memory(msg, ctxt)
-            encoded = self._encode_feedback_reply(codec, policy, deltas, seeds, memory, ack)
-        elif isinstance(codec, ResidualMemory):
+            return self._encode_feedback_reply(codec, policy, deltas, seeds, memory, ack)
+        if isinstance(codec, ResidualMemory):
             resync_asked = bool(int(config.get(KEY_RESYNC, 0)))
             memory = self._load_memory(msg, ctxt)
-            encoded = self._encode_residual_reply(
+            return self._encode_residual_reply(
                 codec, policy, deltas, seeds, memory, ack, resync_asked
             )
-        elif plan is not None:
-            encoded = self._encode_joint(codec, policy, deltas, seeds, plan, run_seed, server_round)
-        else:
-            encoded = _Encoded(self._encode_all(codec, policy, deltas, seeds), inputs=deltas)
-        encode_s = time.perf_counter() - t0
-        payloads, memory = encoded.payloads, encoded.memory
-        if memory is not None:
-            memory.stage(server_round, encoded.pending, encoded.pending_version)
-
-        out_metrics = MetricRecord(dict(metrics))
-        out_metrics[METRIC_ENCODE_S] = encode_s
-        out_metrics[METRIC_CODEC_BYTES] = sum(len(b) for b in payloads.values())
-        if self.measure_error and plan is None:  # a joint code has no per-client decode
-            out_metrics[METRIC_REL_ERROR] = relative_error(payloads, encoded.inputs)
-        for key, value in encoded.stats.items():
-            out_metrics[key] = value
-        if memory is not None:
-            out_metrics[METRIC_STATE_BYTES] = memory.nbytes
-        if self.measure_fp32_reference:
-            reference = self._encode_all(self._fp32, policy, deltas, seeds)
-            out_metrics[METRIC_FP32_CODEC_BYTES] = sum(len(b) for b in reference.values())
-            out_metrics[METRIC_FP32_CONTENT_WIRE_BYTES] = wire_bytes(
-                payload_content(reference)
+        if instruction.plan is not None:
+            return self._encode_joint(
+                codec,
+                policy,
+                deltas,
+                seeds,
+                instruction.plan,
+                instruction.run_seed,
+                instruction.round,
             )
-        header = ConfigRecord(
-            {
-                KEY_STABLE_ID: stable_id,
-                KEY_PROTOCOL: PROTOCOL_VERSION,
-                KEY_ROUND: server_round,
-                KEY_CODEC: json.dumps(codec.spec(), sort_keys=True),
-                **encoded.header,
+        return _Encoded(self._encode_all(codec, policy, deltas, seeds), inputs=deltas)
+
+    def _reply_metrics(
+        self,
+        metrics: MetricRecord,
+        encoded: _Encoded,
+        instruction: _Instruction,
+        deltas: dict[str, torch.Tensor],
+        encode_s: float,
+    ) -> MetricRecord:
+        """The user's train metrics plus fedcomp's own measurements of this reply."""
+        out = MetricRecord(dict(metrics))
+        out[METRIC_ENCODE_S] = encode_s
+        out[METRIC_CODEC_BYTES] = sum(len(b) for b in encoded.payloads.values())
+        if self.measure_error and instruction.plan is None:  # joint codes: no per-client decode
+            out[METRIC_REL_ERROR] = relative_error(encoded.payloads, encoded.inputs)
+        for key, value in encoded.stats.items():
+            out[key] = value
+        if encoded.memory is not None:
+            out[METRIC_STATE_BYTES] = encoded.memory.nbytes
+        if self.measure_fp32_reference:
+            seeds = {
+                name: derive_seed(
+                    instruction.run_seed, instruction.round, instruction.stable_id, name
+                )
+                for name in deltas
             }
-        )
-        content = payload_content(payloads)
-        content[RECORD_HEADER] = header
-        content[RECORD_METRICS] = out_metrics
-        reply = Message(content, reply_to=msg)
-        if memory is not None:
-            store_memory(ctxt.state, memory)  # last: nothing after this can fail
-            directory = self._state_dir(msg)
-            if directory:
-                save_memory_file(memory_path(directory, stable_id), memory)
-        return reply
+            reference = self._encode_all(self._fp32, instruction.policy, deltas, seeds)
+            out[METRIC_FP32_CODEC_BYTES] = sum(len(b) for b in reference.values())
+            out[METRIC_FP32_CONTENT_WIRE_BYTES] = wire_bytes(payload_content(reference))
+        return out
 
     def _encode_feedback_reply(
         self,
