@@ -17,7 +17,6 @@ resets both copies), and nothing is ever decoded against the wrong h_m.
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +45,7 @@ from fedcomp.keys import (
     METRIC_CV_NOISE,
     METRIC_CV_RESIDUAL,
 )
+from fedcomp.npzfile import write_npz_atomic
 
 # --- client half ---------------------------------------------------------------------
 
@@ -178,11 +178,9 @@ class MirrorStore:
         if self.directory is None:
             self._memory[stable_id] = mirror
             return
-        fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".npz")
-        os.close(fd)
-        with open(tmp, "wb") as handle:
-            np.savez(handle, __version__=np.int64(mirror.version), **mirror.arrays)
-        os.replace(tmp, self._path(stable_id))
+        write_npz_atomic(
+            self._path(stable_id), {"__version__": np.int64(mirror.version), **mirror.arrays}
+        )
 
     def drop(self, stable_id: int) -> None:
         if self.directory is None:

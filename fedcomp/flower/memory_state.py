@@ -10,12 +10,15 @@ nothing: its pending state is dropped and the committed one is used again.
 from __future__ import annotations
 
 import json
-import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+
+from fedcomp.npzfile import write_npz_atomic
 
 STATE_COMMITTED = "fedcomp.memory.committed"
 STATE_PENDING = "fedcomp.memory.pending"
@@ -51,25 +54,48 @@ class MemoryState:
     def state_dict(self) -> dict[str, object]:
         """A plain, serializable copy (for checkpoints)."""
         return {
-            "spec": self.spec,
+            **self.meta(),
             "committed": {k: v.copy() for k, v in self.committed.items()},
             "pending": {k: v.copy() for k, v in self.pending.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        loaded = MemoryState.from_parts(
+            state,
+            {k: np.array(v) for k, v in dict(state["committed"]).items()},
+            {k: np.array(v) for k, v in dict(state["pending"]).items()},
+        )
+        self.__dict__.update(loaded.__dict__)
+
+    def stage(self, server_round: int, pending: dict[str, np.ndarray], version: int = 0) -> None:
+        """Remember the state this round's reply would lead to, until it is acked."""
+        self.pending, self.pending_round, self.pending_version = pending, server_round, version
+
+    def meta(self) -> dict[str, str | int]:
+        """The scalar fields, under the one spelling both stores use."""
+        return {
+            "spec": self.spec,
             "pending_round": self.pending_round,
             "version": self.version,
             "pending_version": self.pending_version,
         }
 
-    def load_state_dict(self, state: dict[str, object]) -> None:
-        self.spec = str(state["spec"])
-        self.committed = {k: np.array(v) for k, v in dict(state["committed"]).items()}
-        self.pending = {k: np.array(v) for k, v in dict(state["pending"]).items()}
-        self.pending_round = int(state["pending_round"])
-        self.version = int(state.get("version", 0))
-        self.pending_version = int(state.get("pending_version", 0))
-
-    def stage(self, server_round: int, pending: dict[str, np.ndarray], version: int = 0) -> None:
-        """Remember the state this round's reply would lead to, until it is acked."""
-        self.pending, self.pending_round, self.pending_version = pending, server_round, version
+    @classmethod
+    def from_parts(
+        cls,
+        meta: Mapping[str, Any],
+        committed: dict[str, np.ndarray],
+        pending: dict[str, np.ndarray],
+    ) -> MemoryState:
+        """Rebuild from :meth:`meta` and the two array sets (either store)."""
+        return cls(
+            spec=str(meta["spec"]),
+            committed=committed,
+            pending=pending,
+            pending_round=int(meta["pending_round"]),
+            version=int(meta["version"]),
+            pending_version=int(meta["pending_version"]),
+        )
 
     @property
     def nbytes(self) -> int:
@@ -86,13 +112,10 @@ def load_memory(state: RecordDict) -> MemoryState:
     meta = state.config_records.get(STATE_META)
     if meta is None:
         return MemoryState()
-    return MemoryState(
-        spec=str(meta["spec"]),
-        committed=_arrays(state.array_records.get(STATE_COMMITTED)),
-        pending=_arrays(state.array_records.get(STATE_PENDING)),
-        pending_round=int(meta["pending-round"]),
-        version=int(meta.get("version", 0)),
-        pending_version=int(meta.get("pending-version", 0)),
+    return MemoryState.from_parts(
+        meta,
+        _arrays(state.array_records.get(STATE_COMMITTED)),
+        _arrays(state.array_records.get(STATE_PENDING)),
     )
 
 
@@ -101,14 +124,7 @@ def store_memory(state: RecordDict, memory: MemoryState) -> None:
     FLOWER_NOTES.md: deployment keeps state written before a failure)."""
     state[STATE_COMMITTED] = ArrayRecord({k: Array(v) for k, v in memory.committed.items()})
     state[STATE_PENDING] = ArrayRecord({k: Array(v) for k, v in memory.pending.items()})
-    state[STATE_META] = ConfigRecord(
-        {
-            "spec": memory.spec,
-            "pending-round": memory.pending_round,
-            "version": memory.version,
-            "pending-version": memory.pending_version,
-        }
-    )
+    state[STATE_META] = ConfigRecord(memory.meta())
 
 
 def memory_path(directory: str | Path, stable_id: int) -> Path:
@@ -118,19 +134,10 @@ def memory_path(directory: str | Path, stable_id: int) -> Path:
 def save_memory_file(path: str | Path, memory: MemoryState) -> None:
     """Write the memory to a file, atomically (temporary file, then rename): a device
     that restarts, or a resumed simulation, continues from the last complete write."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    meta = {
-        "spec": memory.spec,
-        "pending_round": memory.pending_round,
-        "version": memory.version,
-        "pending_version": memory.pending_version,
-    }
     arrays = {f"c/{k}": v for k, v in memory.committed.items()}
     arrays.update({f"p/{k}": v for k, v in memory.pending.items()})
-    tmp = path.with_suffix(".tmp.npz")
-    np.savez(tmp, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
-    os.replace(tmp, path)
+    meta = np.frombuffer(json.dumps(memory.meta()).encode(), dtype=np.uint8)
+    write_npz_atomic(path, {"meta": meta, **arrays})
 
 
 def load_memory_file(path: str | Path) -> MemoryState | None:
@@ -142,11 +149,4 @@ def load_memory_file(path: str | Path) -> MemoryState | None:
         meta = json.loads(bytes(data["meta"]).decode())
         committed = {k[2:]: data[k] for k in data.files if k.startswith("c/")}
         pending = {k[2:]: data[k] for k in data.files if k.startswith("p/")}
-    return MemoryState(
-        spec=meta["spec"],
-        committed=committed,
-        pending=pending,
-        pending_round=int(meta["pending_round"]),
-        version=int(meta["version"]),
-        pending_version=int(meta["pending_version"]),
-    )
+    return MemoryState.from_parts(meta, committed, pending)
