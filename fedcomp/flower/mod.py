@@ -185,6 +185,10 @@ class _Instruction:
     global_record: ArrayRecord
     plan: _JointPlan | None
 
+    def seeds(self, names) -> dict[str, int]:
+        """Each tensor's public seed: (run seed, round, stable id, tensor name)."""
+        return {n: derive_seed(self.run_seed, self.round, self.stable_id, n) for n in names}
+
 
 def _deltas(
     reply: Message, global_record: ArrayRecord
@@ -330,10 +334,7 @@ class CompressionMod:
     ) -> _Encoded:
         """Encode the update with the instruction's codec (memories load their state)."""
         codec, policy, config = instruction.codec, instruction.policy, instruction.config
-        seeds = {
-            name: derive_seed(instruction.run_seed, instruction.round, instruction.stable_id, name)
-            for name in deltas
-        }
+        seeds = instruction.seeds(deltas)
         ack = int(config.get(KEY_ACK_ROUND, -1))
         if isinstance(codec, ErrorFeedback):
             memory = self._load_memory(msg, ctxt)
@@ -375,12 +376,7 @@ class CompressionMod:
         if encoded.memory is not None:
             out[METRIC_STATE_BYTES] = encoded.memory.nbytes
         if self.measure_fp32_reference:
-            seeds = {
-                name: derive_seed(
-                    instruction.run_seed, instruction.round, instruction.stable_id, name
-                )
-                for name in deltas
-            }
+            seeds = instruction.seeds(deltas)
             reference = self._encode_all(self._fp32, instruction.policy, deltas, seeds)
             out[METRIC_FP32_CODEC_BYTES] = sum(len(b) for b in reference.values())
             out[METRIC_FP32_CONTENT_WIRE_BYTES] = wire_bytes(payload_content(reference))
