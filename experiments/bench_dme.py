@@ -356,7 +356,7 @@ def markdown(rows, speed, dim, reps, elapsed) -> str:
         "measured from the payloads: scales and scale codes included, the fixed "
         "per-message header (16 + 4 bytes, and one-bit's 20-byte preamble) excluded.",
         "",
-        "## Targets (ONEBIT.md; benchmark, not test)",
+        "## Targets (docs/onebit.md; benchmark, not test)",
         "",
         *targets(rows),
         "",

@@ -1,4 +1,4 @@
-"""Process hygiene for Flower and Ray (FLOWER_NOTES.md, "Simulation")."""
+"""Process hygiene for Flower and Ray: telemetry off, a project-local FLWR_HOME, a Ray temp dir."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def quiet_flower(verbose: bool) -> None:
 
 
 def _drop_run_simulation_notice(record: logging.LogRecord) -> bool:
-    """We call run_simulation on purpose (FLOWER_NOTES.md): drop its deprecation notice."""
+    """We call run_simulation on purpose: drop its deprecation notice."""
     return "`run_simulation` function is deprecated" not in record.getMessage()
 
 

@@ -2,7 +2,7 @@
 
 Each client's update gets independent Student-t noise, ``scale * t_df`` per
 coordinate, added after local training and before compression, so every codec sees
-the same heavy-tailed updates (ONEBIT.md's setting: a large, unknown offset plus
+the same heavy-tailed updates (docs/onebit.md's setting: a large, unknown offset plus
 heavy tails). Seeded from (run seed, round, stable client id): runs are reproducible.
 """
 

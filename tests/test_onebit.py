@@ -234,7 +234,7 @@ def test_clients_at_the_center_contribute_exactly_zero():
 
 def test_per_client_variance_stays_bounded_as_the_top_scale_grows():
     """Every query answered (one client, b = number of queries, pi = 1): for df 4 the
-    variance of a single client's estimate does not grow with L_J (ONEBIT.md: 11.8)."""
+    variance of a single client's estimate does not grow with L_J (docs/onebit.md: 11.8)."""
     rng = np.random.default_rng(7)
     d = 4000
     x = rng.standard_t(4, (1, d)).astype(np.float32)
@@ -330,7 +330,7 @@ def test_localization_stops_on_balanced_and_empty_votes():
 
 # --------------------------------------------------------------------------- accuracy
 def test_mse_at_n_1000_df_4_meets_the_reference_study():
-    """ONEBIT.md: lambda = 100 tau, n = 1000, b = 1, df 4 -> MSE about 0.18 tau^2."""
+    """docs/onebit.md: lambda = 100 tau, n = 1000, b = 1, df 4 -> MSE about 0.18 tau^2."""
     rng = np.random.default_rng(10)
     n, d = 1000, 512
     mu = rng.uniform(-100, 100, d)
@@ -388,7 +388,7 @@ def test_median_of_means_decodes_close_to_the_mean():
 # --------------------------------------------------------------------------- influence
 def test_one_client_moves_the_estimate_at_most_by_the_bound():
     """With the center fixed, one client's answers move the estimate by at most
-    w_i / W * sum over its b slots of max|coef_q| / pi_q (ONEBIT.md, "Influence")."""
+    w_i / W * sum over its b slots of max|coef_q| / pi_q (docs/onebit.md, "Influence")."""
     rng = np.random.default_rng(14)
     n, d, b = 50, 1024, 2
     x = rng.standard_t(4, (n, d)).astype(np.float32)

@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # policy imports the codecs; only its type is needed here
 
 
 class Memory:
-    """A stateful wrapper around a codec (the second codec shape of ARCHITECTURE.md)."""
+    """A stateful wrapper around a codec (the second codec shape of docs/architecture.md)."""
 
     name: str
     inner: Codec

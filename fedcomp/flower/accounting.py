@@ -1,4 +1,4 @@
-"""Byte accounting from real messages (FLOWER_NOTES.md, "Counting bytes honestly").
+"""Byte accounting from real messages (docs/experiments.md, "Byte accounting").
 
 - record bytes: Flower's ``count_bytes`` summed over the message's records (array
   data and key lengths; what ``message_size_mod`` logs);

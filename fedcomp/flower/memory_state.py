@@ -120,8 +120,8 @@ def load_memory(state: RecordDict) -> MemoryState:
 
 
 def store_memory(state: RecordDict, memory: MemoryState) -> None:
-    """Write the memory into ``Context.state``; call it LAST in the mod (see
-    FLOWER_NOTES.md: deployment keeps state written before a failure)."""
+    """Write the memory into ``Context.state``; call it LAST in the mod (Flower's
+    deployment runtime keeps state written before a failure, simulation drops it)."""
     state[STATE_COMMITTED] = ArrayRecord({k: Array(v) for k, v in memory.committed.items()})
     state[STATE_PENDING] = ArrayRecord({k: Array(v) for k, v in memory.pending.items()})
     state[STATE_META] = ConfigRecord(memory.meta())

@@ -1,4 +1,4 @@
-"""One-bit non-adaptive refinement coding for heavy-tailed updates (ONEBIT.md).
+"""One-bit non-adaptive refinement coding for heavy-tailed updates (docs/onebit.md).
 
 Every client answers b public random queries per coordinate with one bit each; the
 server decodes the mean jointly. See :class:`OneBitCode` for the surface.

@@ -1,6 +1,6 @@
 """When to use the one-bit code rather than a fixed-range (dithered uniform) code.
 
-ONEBIT.md's crossover: per client and coordinate, subtractive-dither uniform on the
+docs/onebit.md's crossover: per client and coordinate, subtractive-dither uniform on the
 range [-lambda, lambda] has error variance ``lambda^2 / (3 (2^b - 1)^2)``; the one-bit
 code about ``V(df) / b`` (tau = 1), where V depends on the tail of the updates. One-bit
 is preferred when the first is larger, and, with the in-band center, only when the
@@ -8,7 +8,7 @@ round has enough answers to localize (``n b >= 240``).
 
 V is calibrated on this repository's own benchmark (``make bench-dme``, top = 8192 tau,
 MSE x n b at n = 1000, b = 1): about 230 at df 4, 770 at df 2.5, 1.5e4 at df 1.5
-(ONEBIT.md's reference study: 180 and 1000; df 1.5 grows with the top scale).
+(docs/onebit.md's reference study: 180 and 1000; df 1.5 grows with the top scale).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import math
 
 #: Measured per-client variance factor V(df), units of tau^2 (see the module docstring).
 TAIL_VARIANCE = {1.5: 1.5e4, 2.5: 770.0, 4.0: 230.0}
-#: Answers per coordinate the in-band center needs (ONEBIT.md).
+#: Answers per coordinate the in-band center needs (docs/onebit.md).
 INBAND_MIN_ANSWERS = 240
 
 

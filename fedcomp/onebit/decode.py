@@ -1,6 +1,6 @@
 """The joint decoder of the one-bit code: coarse center, safe phases, refinement.
 
-Pure functions over chunks of coordinates, in units of tau (ONEBIT.md, "Decoder").
+Pure functions over chunks of coordinates, in units of tau (docs/onebit.md, "Decoder").
 The server holds every received client's packed bits; for each chunk it regenerates
 the public assignment of all those clients at once (a ``(R, b, chunk)`` array of query
 numbers), decodes the center from the LOC answers, and sums the Horvitz-Thompson
@@ -51,7 +51,7 @@ class JointDecode:
 def coefficient_table(qs: QuerySet) -> np.ndarray:
     """``coef[q, b_j, b_{j+1}]``: what one answer of q is worth, given the safe phases.
 
-    ONEBIT.md, step 3: BASE(b_0) is worth L_0; REF(j, 0, 1) +-L_j when b_j = 0 (sign by
+    docs/onebit.md, step 3: BASE(b_0) is worth L_0; REF(j, 0, 1) +-L_j when b_j = 0 (sign by
     b_{j+1}); REF(j, b', t != 1) L_j when b_j = 1 and b' = b_{j+1}; SREF(j, b, b') 3 L_j
     when (b, b') = (b_j, b_{j+1}); anything else 0 (the bit is not used for this c).
     """
@@ -137,7 +137,7 @@ def localize(
     periods: tuple[float, ...],
     min_resultant: float,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """The coarse center from LOC votes, level by level (ONEBIT.md, step 1).
+    """The coarse center from LOC votes, level by level (docs/onebit.md, step 1).
 
     Parameters
     ----------

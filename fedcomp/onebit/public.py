@@ -6,7 +6,7 @@ in any order, in any process, bit for bit. The key comes from
 :func:`fedcomp.rng.derive_seed` of (run seed, round, tensor); positions are the
 coordinate k (offset u_k, cyclic shift) and the slot ``k * n b + s`` (the slot's U).
 
-Assignment (ONEBIT.md, "Bit budget and assignment"): slot ``s`` in ``[0, n b)`` answers
+Assignment (docs/onebit.md, "Bit budget and assignment"): slot ``s`` in ``[0, n b)`` answers
 the query q with ``C_q <= s + u_k < C_{q+1}`` and belongs to client
 ``(s + shift_k) mod n``; client i therefore holds slots ``(i - shift_k) mod n + m n``,
 m = 0..b-1, which are n apart, so its b queries are distinct (``t_q <= n``).

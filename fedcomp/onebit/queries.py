@@ -1,4 +1,4 @@
-"""The one-bit code's query set, bit shares and inclusion probabilities (ONEBIT.md).
+"""The one-bit code's query set, bit shares and inclusion probabilities (docs/onebit.md).
 
 Everything here is in units of tau: a client's value x becomes z = x / tau before any
 query is asked, so one query set serves every block of a tensor.
@@ -206,7 +206,7 @@ def build_query_set(
 ) -> QuerySet:
     """The query table and its allocation for ``num_clients`` clients sending ``bits`` each.
 
-    Shares follow ONEBIT.md: LOC in total ``clip(loc_votes * #LOC / (n b), lo, hi)``
+    Shares follow docs/onebit.md: LOC in total ``clip(loc_votes * #LOC / (n b), lo, hi)``
     (about ``loc_votes`` answers per localization query), BASE ``base_share``, and the
     refinement queries the rest, ``2^(-decay j)`` across scales (``decay = 0`` is the
     seed note's 1/r density: equal mass per dyadic scale).

@@ -3,7 +3,7 @@
 Low precision is done the honest way: every internal node is ONE eager tensor addition
 in the working dtype (bfloat16, float16 or float32), so a bf16 tree equals, bit for bit,
 pairwise bf16 additions in the tree's order. (torch.compile fuses a bf16 tree keeping
-float32 intermediates, which is a different, more accurate computation: ARCHITECTURE.md
+float32 intermediates, which is a different, more accurate computation: docs/architecture.md
 "Performance facts"; it is not used here.)
 """
 
