@@ -30,6 +30,15 @@ def _task_identity() -> None:
     set_task_identity()
 
 
+@pytest.fixture(autouse=True)
+def _seeded_torch() -> None:
+    """Every test starts from the same torch seed: a test that draws from the global
+    generator (torch.randn without a generator) sees the same numbers every run."""
+    import torch
+
+    torch.manual_seed(0)
+
+
 @pytest.fixture(scope="session")
 def data_fixtures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Tiny FEMNIST and CIFAR-10 copies in every supported on-disk format

@@ -289,3 +289,43 @@ def test_varint_roundtrip(values: list[int]) -> None:
     buf = encode_varints(arr)
     assert len(buf) == sum(max(1, math.ceil(v.bit_length() / 7)) for v in values)
     assert np.array_equal(decode_varints(buf, arr.size), arr)
+
+
+def _varied(n: int = 4099, seed: int = 3) -> torch.Tensor:
+    """Values over many magnitudes (per-block scales differ), including ties for the
+    16-bit formats: exact halfway points between representable values."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.exp(4 * torch.randn(n, generator=g))
+    x[:16] = torch.tensor([1 + 2**-11, 1 + 3 * 2**-11, 1 + 2**-8, 1 + 3 * 2**-8] * 4)
+    return x
+
+
+def test_fp16_rounds_to_nearest_even_like_ieee() -> None:
+    x = _varied().clamp(-6e4, 6e4)
+    y = make_codec("fp16").decode(make_codec("fp16").encode(x, seed=0))
+    expected = x.numpy().astype(np.float16).astype(np.float32)  # numpy's own IEEE cast
+    assert np.array_equal(y.numpy(), expected)
+
+
+def test_bf16_rounds_to_nearest_even_not_truncation() -> None:
+    x = _varied()
+    y = make_codec("bf16").decode(make_codec("bf16").encode(x, seed=0)).numpy()
+    u = x.numpy().view(np.uint32).astype(np.uint64)
+    bias = 0x7FFF + ((u >> 16) & 1)  # round half to even on the upper 16 bits
+    expected = ((u + bias) & 0xFFFF0000).astype(np.uint32).view(np.float32)
+    truncated = (u & 0xFFFF0000).astype(np.uint32).view(np.float32)
+    assert np.array_equal(y, expected)
+    assert not np.array_equal(expected, truncated)  # the input tells the two apart
+
+
+@pytest.mark.parametrize("block", [1, 7, 256, 5000])
+def test_sign_sends_each_blocks_mean_magnitude(block: int) -> None:
+    x = _varied().numpy()
+    y = make_codec("sign", block=block).decode(
+        make_codec("sign", block=block).encode(torch.from_numpy(x), seed=0)
+    ).numpy()
+    for start in range(0, x.size, block):
+        part = x[start : start + block]
+        scale = np.float32(np.abs(part).sum(dtype=np.float32) / np.float32(part.size))
+        want = np.where(np.signbit(part), -scale, scale)
+        np.testing.assert_allclose(y[start : start + block], want, rtol=1e-5)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -92,7 +91,6 @@ def test_bad_values_never_reach_the_simulation(
 
 @pytest.mark.parametrize(("override", "needle"), BAD_VALUES[:2])
 def test_cli_reports_bad_values_and_exits_nonzero(override: str, needle: str) -> None:
-    t0 = time.perf_counter()
     out = subprocess.run(
         [sys.executable, "-m", "experiments.run", override, "hydra.run.dir=/tmp/fedcomp-bad"],
         capture_output=True,
@@ -102,4 +100,3 @@ def test_cli_reports_bad_values_and_exits_nonzero(override: str, needle: str) ->
     )
     assert out.returncode != 0
     assert needle in out.stderr + out.stdout
-    assert time.perf_counter() - t0 < 60
