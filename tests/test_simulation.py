@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -28,11 +29,29 @@ SMALL = {"num_clients": 3, "num_rounds": 2, "seed": 3}
 
 
 def _ray_processes() -> list[str]:
-    out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True)
+    """Ray processes this test session started: descendants of this process, or any
+    process naming this session's Ray temp dir (other runs on the machine do not count)."""
+    out = subprocess.run(
+        ["ps", "-eo", "pid=,ppid=,args="], capture_output=True, text=True, check=True
+    )
+    rows = [line.split(None, 2) for line in out.stdout.splitlines() if line.strip()]
+    parent = {int(r[0]): int(r[1]) for r in rows}
+
+    def ours(pid: int) -> bool:
+        while pid > 1:
+            pid = parent.get(pid, 1)
+            if pid == os.getpid():
+                return True
+        return False
+
+    ray_dir = os.environ.get("RAY_TMPDIR", "\0")
+    tags = ("raylet", "gcs_server", "ray::", "default_worker.py")
     return [
-        line
-        for line in out.stdout.splitlines()
-        if any(tag in line for tag in ("raylet", "gcs_server", "ray::", "default_worker.py"))
+        r[2]
+        for r in rows
+        if len(r) == 3
+        and any(tag in r[2] for tag in tags)
+        and (ours(int(r[0])) or ray_dir in r[2])
     ]
 
 
