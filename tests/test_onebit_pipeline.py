@@ -1,6 +1,8 @@
 """The one-bit code through the real mod and wrapper (in-process): the wrapper's joint
-path equals the library decoder on the same bits, missing and bad replies fall back
-to the ratio estimator, and the state moves on (tau from the scale codes, side center)."""
+path equals the library decoder on the same bits and its error against the true mean
+is the code's own (measured over other public seeds), missing and bad replies are
+decoded like lost ones (Horvitz-Thompson with the planned inclusion probabilities),
+and the state moves on (tau from the scale codes, side center)."""
 
 from __future__ import annotations
 
@@ -112,17 +114,48 @@ def test_wrapper_joint_path_equals_the_library_decoder():
         magnitude = (np.abs(arrays[name]) + np.abs(expected[name])).astype(np.float32)
         tol = 2 * np.spacing(magnitude).astype(np.float64)
         assert np.all(np.abs(got - expected[name]) <= tol + 1e-12), name
-    # the estimate is a mean estimate of the true updates: close to FedAvg's, not equal
+    # Against the TRUE weighted mean of the clients' updates: the error must be what the
+    # code's own variance gives at this n, b and spread. The reference distribution is
+    # measured by re-encoding the same exact updates with other public seeds and
+    # decoding them with the library (16 draws); the wrapper's error must fall within
+    # 5 standard deviations of those draws' mean squared error.
     weights = np.array([spy.weight[i] for i in range(N)])
-    exact = (
-        sum(
-            w * (spy.local[i][names[0]].astype(np.float64) - arrays[names[0]])
-            for i, w in enumerate(weights)
-        )
-        / weights.sum()
+    code = OneBitCode(**{k: v for k, v in SPEC.items() if k != "name"})
+    first_config = next(
+        m.content.config_records["config"] for _, r, m in captured if RECORD_PAYLOAD in r.content
     )
-    err = expected[names[0]] - exact
-    assert 0 < np.mean(err**2) < np.mean(exact**2) * 50
+    blocks = [code.num_blocks(arrays[n].size) for n in names]
+    taus = dict(zip(names, unpack_taus(first_config[KEY_JOINT_TAU], blocks), strict=True))
+    name = names[0]
+    deltas = [spy.local[i][name].astype(np.float64) - arrays[name] for i in range(N)]
+    exact = sum(w * d for w, d in zip(weights, deltas, strict=True)) / weights.sum()
+    # Clients were indexed in stable-id order, as the wrapper plans them.
+    draws = []
+    for draw in range(16):
+        seed = 10_000 + draw
+        payloads = [
+            code.encode(
+                d.astype(np.float32).reshape(arrays[name].shape),
+                client_index=i,
+                num_clients=N,
+                seed=seed,
+                tau=taus[name],
+            )
+            for i, d in enumerate(deltas)
+        ]
+        mean = code.decode_mean(
+            payloads,
+            client_indices=list(range(N)),
+            num_clients=N,
+            seed=seed,
+            tau=taus[name],
+            weights=list(weights),
+            side_center=np.zeros(arrays[name].size),
+        ).numpy()
+        draws.append(np.mean((mean - exact) ** 2))
+    observed = np.mean((_applied_update(result, arrays, name) - exact) ** 2)
+    spread = np.std(draws, ddof=1)
+    assert abs(observed - np.mean(draws)) <= 5 * spread, (observed, np.mean(draws), spread)
     # every reply reported the fraction of its coordinates that would wrap
     key = METRIC_OUT_OF_RANGE.removeprefix("fedcomp.")
     assert all(0.0 <= r[key] <= 1.0 for r in record["per_client"])
