@@ -30,6 +30,7 @@ from fedcomp.failures import Failure
 from fedcomp.flower.strategy import CompressedStrategy
 from fedcomp.keys import (
     KEY_CV_VERSION,
+    KEY_PROTOCOL,
     KEY_RESYNC,
     KEY_ROUND,
     KEY_STABLE_ID,
@@ -127,6 +128,29 @@ def other_client(pid, reply, instruction):
     return _header(reply, instruction, **{KEY_STABLE_ID: HONEST[pid % len(HONEST)]})
 
 
+def future_protocol(pid, reply, instruction):
+    """A reply speaking a protocol version the server does not."""
+    return _header(reply, instruction, **{KEY_PROTOCOL: 99})
+
+
+def renamed_tensor(pid, reply, instruction):
+    """A reply whose payload record names a tensor the model does not have."""
+    payloads = reply.content.array_records[RECORD_PAYLOAD]
+    names = list(payloads.keys())
+    renamed = {("evil." + n if i == 0 else n): payloads[n] for i, n in enumerate(names)}
+    return _replace(reply, instruction, **{RECORD_PAYLOAD: ArrayRecord(renamed)})
+
+
+def wrong_dtype(pid, reply, instruction):
+    """A payload header declaring float64 for a float32 tensor (dtype code 3)."""
+
+    def change(name, buf):
+        if buf[4] == 0:
+            buf[4] = 3
+
+    return _map_payloads(reply, instruction, change)
+
+
 def twice(pid, reply, instruction):
     """(e) The same reply sent twice."""
     return [reply, reply]
@@ -139,6 +163,9 @@ SCENARIOS = [
     (wrong_round, Failure.WRONG_ROUND, 1),
     (other_client, Failure.WRONG_CLIENT, 1),
     (twice, Failure.DUPLICATE, 2),
+    (future_protocol, Failure.PROTOCOL, 1),
+    (renamed_tensor, Failure.BAD_LAYOUT, 1),
+    (wrong_dtype, Failure.BAD_LAYOUT, 1),
 ]
 
 

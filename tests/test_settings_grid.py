@@ -19,7 +19,7 @@ CODECS = [
     {"name": "onebit"},
 ]
 HANDOFFS = ["per_client", "pre_aggregated"]
-STRATEGIES = ["fedavg", "fedadam", "fedmedian", "fedtrimmedavg"]
+STRATEGIES = ["fedavg", "fedprox", "fedadam", "fedyogi", "fedadagrad", "fedmedian", "fedtrimmedavg"]
 TREE_OPTIONS = [
     {},
     {"tree": "balanced"},
@@ -59,3 +59,22 @@ def test_pre_ray_check_accepts_exactly_what_the_server_app_constructs(chunk: int
         assert before_ray == server_app, tree
         outcomes.add(before_ray == "ok")
     assert outcomes == {True, False}  # the grid holds both kinds in every chunk
+
+
+@pytest.mark.parametrize("name", ["fedprox", "fedyogi", "fedadagrad", "fedavgm", "fedadam"])
+def test_mean_based_inner_strategies_take_the_pre_aggregated_hand_off(name: str) -> None:
+    settings = settings_from_dict(
+        {"strategy": {"name": name}, "aggregation": {"handoff": "pre_aggregated"}}
+    )
+    assert type(build_strategy(settings).strategy).__name__.lower() == name
+
+
+@pytest.mark.parametrize("name", ["fedmedian", "fedtrimmedavg"])
+def test_robust_inner_strategies_take_only_the_per_client_hand_off(name: str) -> None:
+    build_strategy(settings_from_dict({"strategy": {"name": name}}))
+    with pytest.raises(ValueError, match=rf"strategy\.name='{name}'.*mean-based"):
+        validate(
+            settings_from_dict(
+                {"strategy": {"name": name}, "aggregation": {"handoff": "pre_aggregated"}}
+            )
+        )
