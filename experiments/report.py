@@ -10,7 +10,8 @@ fp32 (wire), and wall time. ``--paired`` groups the runs of one method and setti
 over their seeds: final accuracy with its 95% CI and min..max, uplink codec and wire
 MB, the MB needed to reach a target accuracy, compression ratios against fp32 and wall
 time, then paired residual-minus-direct differences. ``--out-dir`` writes both tables
-(report.md) and PNG plots of accuracy against cumulative uplink codec and wire bytes.
+(report.md) and PNG plots of accuracy against cumulative total wire bytes (every message
+of the run, both ways) and uplink codec and wire bytes.
 Every results.json is read through fedcomp's schema validator.
 """
 
@@ -66,6 +67,8 @@ def table_rows(results: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[
     header = [
         *keys,
         "final_accuracy",
+        "total_wire_bytes",
+        "total_ratio_vs_fp32",
         "uplink_codec_bytes",
         "uplink_wire_bytes",
         "ratio_vs_fp32_wire",
@@ -80,6 +83,8 @@ def table_rows(results: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[
             [
                 *(flat.get(k) for k in keys),
                 s["final_accuracy"],
+                s.get("total_wire_bytes"),
+                s.get("total_ratio_vs_fp32"),
                 codec_bytes,
                 s["uplink_wire_bytes_total"],
                 s["ratio_vs_fp32_wire"],
@@ -120,13 +125,19 @@ def t_half_width(values: Sequence[float], confidence: float = 0.95) -> float | N
     return float(stats.t.ppf(0.5 + confidence / 2, n - 1) * np.std(values, ddof=1) / np.sqrt(n))
 
 
-def cumulative(run: dict[str, Any], key: str) -> np.ndarray:
+def cumulative(run: dict[str, Any], key: str) -> np.ndarray | None:
+    """Cumulative per-round ``key`` bytes; None when a round lacks it (a results file
+    written before that count existed)."""
+    if any(key not in rnd for rnd in run["rounds"]):
+        return None
     return np.cumsum([rnd[key] for rnd in run["rounds"]])
 
 
 def bytes_to_reach(run: dict[str, Any], target: float, key: str) -> int | None:
     """Cumulative ``key`` bytes at the first round whose accuracy reaches ``target``."""
     total = cumulative(run, key)
+    if total is None:
+        return None
     for rnd, spent in zip(run["rounds"], total, strict=True):
         if rnd["accuracy"] is not None and rnd["accuracy"] >= target:
             return int(spent)
@@ -195,6 +206,7 @@ def group_summary(members: Sequence[dict[str, Any]], target: float | None) -> di
         reached = [b for m in members if (b := bytes_to_reach(m, target, key)) is not None]
         return (float(np.median(reached)) if reached else None), len(reached)
 
+    total_to, total_n = to_target("total_wire_bytes")
     codec_to, codec_n = to_target("uplink_codec_bytes")
     wire_to, wire_n = to_target("uplink_wire_bytes")
     return {
@@ -203,6 +215,10 @@ def group_summary(members: Sequence[dict[str, Any]], target: float | None) -> di
         "final_ci": t_half_width(finals),
         "final_min": float(np.min(finals)),
         "final_max": float(np.max(finals)),
+        "total_bytes": _mean_of([m["summary"].get("total_wire_bytes") for m in members]),
+        "total_bytes_to_target": total_to,
+        "reached_total": total_n,
+        "total_ratio": _mean_of([m["summary"].get("total_ratio_vs_fp32") for m in members]),
         "codec_bytes": float(np.mean([cumulative(m, "uplink_codec_bytes")[-1] for m in members])),
         "wire_bytes": float(np.mean([m["summary"]["uplink_wire_bytes_total"] for m in members])),
         "target": target,
@@ -246,16 +262,22 @@ def paired_report(
     target_text = f"{target:g}" if target is not None else f"FedAvg - {tolerance:g}"
     lines = [
         f"| {' | '.join(keys)} | seeds | final accuracy (95% CI) | min..max "
+        f"| total MB | total MB to {target_text} (seeds reaching) | total ratio vs fp32 "
         f"| uplink codec MB | uplink wire MB | codec MB to {target_text} (seeds reaching) "
         f"| wire MB to {target_text} | ratio vs fp32 codec | ratio vs fp32 wire | wall s |"
         + "".join(f" {m} |" for m in metrics),
-        "|" + "---|" * (len(keys) + 10 + len(metrics)),
+        "|" + "---|" * (len(keys) + 13 + len(metrics)),
     ]
     for key, members in groups.items():
         row = group_summary(members, targets.get(_group_key(members[0], setting_keys)))
         ci = f" +- {row['final_ci']:.4f}" if row["final_ci"] is not None else ""
         reached = (
             f"{_mb(row['codec_bytes_to_target'])} ({row['reached']}/{row['seeds']})"
+            if row["target"] is not None
+            else f"n/a (0/{row['seeds']})"
+        )
+        total_reached = (
+            f"{_mb(row['total_bytes_to_target'])} ({row['reached_total']}/{row['seeds']})"
             if row["target"] is not None
             else f"n/a (0/{row['seeds']})"
         )
@@ -266,6 +288,7 @@ def paired_report(
         lines.append(
             f"| {' | '.join(_cell(v) for v in key)} | {row['seeds']} "
             f"| {row['final_mean']:.4f}{ci} | {row['final_min']:.4f}..{row['final_max']:.4f} "
+            f"| {_mb(row['total_bytes'])} | {total_reached} | {_ratio(row['total_ratio'])} "
             f"| {_mb(row['codec_bytes'])} | {_mb(row['wire_bytes'])} | {reached} "
             f"| {_mb(row['wire_bytes_to_target'])} | {_ratio(row['ratio_codec'])} "
             f"| {_ratio(row['ratio_wire'])} | {row['wall_s']:.1f} |{extra}"
@@ -337,10 +360,12 @@ def _informative(keys: Sequence[str], groups: Sequence[tuple]) -> set[str]:
 
 
 def accuracy_plot(
-    runs: Sequence[dict[str, Any]], path: Path, key: str = "uplink_codec_bytes"
+    runs: Sequence[dict[str, Any]], path: Path, key: str = "total_wire_bytes"
 ) -> Path:
-    """Accuracy (mean over seeds, shaded min..max) against mean cumulative uplink bytes
-    (``key``: uplink_codec_bytes or uplink_wire_bytes), one line per method and setting."""
+    """Accuracy (mean over seeds, shaded min..max) against mean cumulative bytes
+    (``key``: total_wire_bytes, every message both ways, or uplink_codec_bytes or
+    uplink_wire_bytes), one line per method and setting (runs whose files lack ``key``
+    are left out)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -350,6 +375,9 @@ def accuracy_plot(
     informative = _informative(keys, list(groups))
     fig, ax = plt.subplots(figsize=(8, 5))
     for i, (group, members) in enumerate(groups.items()):
+        members = [m for m in members if cumulative(m, key) is not None]
+        if not members:
+            continue
         spent = np.mean([cumulative(m, key) for m in members], axis=0) / 1e6
         acc = np.array(
             [
@@ -377,7 +405,7 @@ def accuracy_plot(
     return path
 
 
-PLOT_KEYS = ("uplink_codec_bytes", "uplink_wire_bytes")
+PLOT_KEYS = ("total_wire_bytes", "uplink_codec_bytes", "uplink_wire_bytes")
 
 
 def write_report(
@@ -428,7 +456,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--out-dir",
         type=Path,
-        help="write report.md and accuracy_vs_uplink_{codec,wire}_bytes.png here",
+        help="write report.md and accuracy_vs_{total_wire,uplink_codec,uplink_wire}_bytes.png here",
     )
     parser.add_argument(
         "--metric",

@@ -13,7 +13,14 @@ Every writer (the ServerApp) and every reader (the report, the tests) goes throu
                  "failures": ..., "resyncs": ..., "nonfinite": ..., "faults": {...},
                  "codec": {...}}, ...],
      "summary": {"final_accuracy": ..., "uplink_wire_bytes_total": ..., "wall_s": ...,
+                 "total_wire_bytes": ..., "total_ratio_vs_fp32": ...,
+                 "train_ratio_vs_fp32": ...,
                  "ratio_vs_fp32_codec": ..., "ratio_vs_fp32_wire": ...}}
+
+Rounds written since the traffic accounting also hold ``traffic`` (every message kind,
+both ways: messages, record, wire and fp32-reference wire bytes), ``total_wire_bytes``
+and ``train_wire_bytes`` with their fp32 references; ``ratio_vs_fp32_*`` stay the train
+replies' (uplink) ratios.
 
 Byte counts are measured from real payloads and messages, never computed.
 """
@@ -66,6 +73,16 @@ CLIENT_FIELDS: dict[str, tuple[type, ...]] = {
     "downlink_wire_bytes": (int,),
     "encode_s": _NUM,
     "num_examples": (int,),
+}
+
+#: Fields added after schema 1 was first written: checked when present; a reader of
+#: an older file shows them as unavailable (None).
+OPTIONAL_ROUND_FIELDS: dict[str, tuple[type, ...]] = {
+    "traffic": (dict,),
+    "total_wire_bytes": (int,),
+    "fp32_total_wire_bytes": (int,),
+    "train_wire_bytes": (int,),
+    "fp32_train_wire_bytes": (int,),
 }
 
 SUMMARY_FIELDS: dict[str, tuple[type, ...]] = {
@@ -132,13 +149,19 @@ class ResultsError(ValueError):
     """A results object or file that does not have the schema's shape."""
 
 
-def _check_fields(obj: Any, fields: Mapping[str, tuple[type, ...]], where: str) -> None:
+def _check_fields(
+    obj: Any,
+    fields: Mapping[str, tuple[type, ...]],
+    where: str,
+    optional: Mapping[str, tuple[type, ...]] | None = None,
+) -> None:
     if not isinstance(obj, Mapping):
         raise ResultsError(f"{where}: expected an object, got {type(obj).__name__}")
     missing = [k for k in fields if k not in obj]
     if missing:
         raise ResultsError(f"{where}: missing field(s) {', '.join(missing)}")
-    for key, types in fields.items():
+    present = {k: t for k, t in (optional or {}).items() if k in obj}
+    for key, types in {**fields, **present}.items():
         value = obj[key]
         if isinstance(value, bool) or not isinstance(value, types):
             raise ResultsError(f"{where}.{key}: {value!r} is not of type {types}")
@@ -166,7 +189,7 @@ def validate_results(obj: Any) -> dict[str, Any]:
     if not isinstance(rounds, list):
         raise ResultsError("results.rounds: expected a list")
     for i, rnd in enumerate(rounds):
-        _check_fields(rnd, ROUND_FIELDS, f"rounds[{i}]")
+        _check_fields(rnd, ROUND_FIELDS, f"rounds[{i}]", OPTIONAL_ROUND_FIELDS)
         if rnd["round"] != i + 1:
             raise ResultsError(f"rounds[{i}].round: {rnd['round']}, expected {i + 1}")
         for j, client in enumerate(rnd["per_client"]):
@@ -177,6 +200,20 @@ def validate_results(obj: Any) -> dict[str, Any]:
 
 def _ratio(numerator: int, denominator: int) -> float | None:
     return numerator / denominator if denominator > 0 else None
+
+
+def round_sum(rounds: Sequence[Mapping[str, Any]], key: str) -> int | None:
+    """The sum of an optional round field; None when any round lacks it (a file
+    written before the field existed: unavailable, never a partial sum)."""
+    if not rounds or any(key not in r for r in rounds):
+        return None
+    return sum(int(r[key]) for r in rounds)
+
+
+def _opt_ratio(numerator: int | None, denominator: int | None) -> float | None:
+    if numerator is None or denominator is None:
+        return None
+    return _ratio(numerator, denominator)
 
 
 def build_results(
@@ -196,11 +233,22 @@ def build_results(
         return sum(int(r["codec"].get(key, 0)) for r in rounds)
 
     evaluated = [r["accuracy"] for r in rounds if r["accuracy"] is not None]
+    total_wire, fp32_total = round_sum(rounds, "total_wire_bytes"), round_sum(
+        rounds, "fp32_total_wire_bytes"
+    )
+    train_wire, fp32_train = round_sum(rounds, "train_wire_bytes"), round_sum(
+        rounds, "fp32_train_wire_bytes"
+    )
     summary = {
         "final_accuracy": evaluated[-1] if evaluated else None,
         "uplink_wire_bytes_total": wire_total,
         "uplink_codec_bytes_total": codec_total,
         "wall_s": wall_s,
+        # Every message of the run, both ways, and the same schedule under fp32.
+        "total_wire_bytes": total_wire,
+        "fp32_total_wire_bytes": fp32_total,
+        "total_ratio_vs_fp32": _opt_ratio(fp32_total, total_wire),
+        "train_ratio_vs_fp32": _opt_ratio(fp32_train, train_wire),
         "ratio_vs_fp32_codec": _ratio(total("fp32_codec_bytes"), total("decoded_codec_bytes")),
         "ratio_vs_fp32_wire": _ratio(total("fp32_wire_bytes"), total("decoded_wire_bytes")),
     }

@@ -188,12 +188,16 @@ def run_server(
     results["summary"]["initial_accuracy"] = initial_eval.get("accuracy")
     s = results["summary"]
     log.info(
-        "done: final accuracy %s (initial %s) | uplink wire %d B in %d rounds | "
-        "ratio vs fp32: codec %s wire %s | %.1f s",
+        "done: final accuracy %s (initial %s) | total wire %s B in %d rounds, %sx fewer "
+        "than fp32 both ways (train traffic %sx) | uplink wire %d B, ratio vs fp32: "
+        "codec %s wire %s | %.1f s",
         fmt(s["final_accuracy"]),
         fmt(s["initial_accuracy"]),
-        s["uplink_wire_bytes_total"],
+        s["total_wire_bytes"],
         len(rounds),
+        fmt(s["total_ratio_vs_fp32"]),
+        fmt(s["train_ratio_vs_fp32"]),
+        s["uplink_wire_bytes_total"],
         fmt(s["ratio_vs_fp32_codec"]),
         fmt(s["ratio_vs_fp32_wire"]),
         s["wall_s"],

@@ -191,7 +191,11 @@ def test_report_of_the_femnist_smoke_sweep_matches_its_results(data_fixtures, tm
         capture_output=True,
         text=True,
     )
-    for png in ("accuracy_vs_uplink_codec_bytes.png", "accuracy_vs_uplink_wire_bytes.png"):
+    for png in (
+        "accuracy_vs_total_wire_bytes.png",
+        "accuracy_vs_uplink_codec_bytes.png",
+        "accuracy_vs_uplink_wire_bytes.png",
+    ):
         data = (out_dir / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
     assert (out_dir / "report.md").read_text().startswith("# Summary over seeds")
@@ -211,6 +215,7 @@ def test_report_of_the_femnist_smoke_sweep_matches_its_results(data_fixtures, tm
         half = 12.706 * np.std(finals, ddof=1) / np.sqrt(2)  # t(0.975, 1 dof)
         codec = [np.cumsum([x["uplink_codec_bytes"] for x in m["rounds"]]) for m in members]
         wire = [np.cumsum([x["uplink_wire_bytes"] for x in m["rounds"]]) for m in members]
+        total = [np.cumsum([x["total_wire_bytes"] for x in m["rounds"]]) for m in members]
         first = [
             next((i for i, x in enumerate(m["rounds"]) if x["accuracy"] >= target), None)
             for m in members
@@ -226,6 +231,10 @@ def test_report_of_the_femnist_smoke_sweep_matches_its_results(data_fixtures, tm
         assert row["seeds"] == "2"
         assert row["final accuracy (95% CI)"] == f"{np.mean(finals):.4f} +- {half:.4f}"
         assert row["min..max"] == f"{min(finals):.4f}..{max(finals):.4f}"
+        assert row["total MB"] == f"{mean('total_wire_bytes') / 1e6:.2f}"
+        total_reached = f"{to_target(total)} ({len(hit)}/2)" if hit else "n/a (0/2)"
+        assert row["total MB to FedAvg - 0.01 (seeds reaching)"] == total_reached
+        assert row["total ratio vs fp32"] == f"{mean('total_ratio_vs_fp32'):.2f}x"
         assert row["uplink codec MB"] == f"{np.mean([c[-1] for c in codec]) / 1e6:.2f}"
         assert row["uplink wire MB"] == f"{mean('uplink_wire_bytes_total') / 1e6:.2f}"
         reached = f"{to_target(codec)} ({len(hit)}/2)" if hit else "n/a (0/2)"

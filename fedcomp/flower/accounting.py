@@ -4,12 +4,17 @@
   data and key lengths; what ``message_size_mod`` logs);
 - wire bytes: the deflated objects of the message, what a SuperNode or the
   SuperLink actually pushes (about 1.3 KB of fixed overhead per message).
+
+Every message of a round, in both directions, is counted by kind into the round's
+``fedcomp.traffic.Traffic`` (:func:`count`).
 """
 
 from __future__ import annotations
 
 from flwr.app import Message, RecordDict
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+
+from fedcomp.traffic import Kind, Traffic
 
 
 def record_bytes(content: RecordDict) -> int:
@@ -23,3 +28,27 @@ def wire_bytes(obj: Message | RecordDict) -> int:
     Identical objects (e.g. equal chunks) are pushed once, as Flower does.
     """
     return sum(len(o.deflate()) for o in get_all_nested_objects(obj).values())
+
+
+def count(
+    traffic: Traffic,
+    kind: Kind,
+    msg: Message,
+    *,
+    client: int | None,
+    fp32_wire_bytes: int | None = None,
+) -> int:
+    """Measure ``msg`` and count it under ``kind``; return its wire bytes.
+
+    ``fp32_wire_bytes``: the measured size of the same message under fp32 both ways
+    (None: the message is its own reference, e.g. an evaluate reply or an error).
+    """
+    wire = wire_bytes(msg)
+    traffic.add(
+        kind,
+        record_bytes=0 if msg.has_error() else record_bytes(msg.content),
+        wire_bytes=wire,
+        fp32_wire_bytes=fp32_wire_bytes,
+        client=client,
+    )
+    return wire

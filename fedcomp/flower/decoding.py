@@ -19,7 +19,7 @@ from fedcomp.codecs import Codec, Memory, TensorPolicy, make_codec_from_spec
 from fedcomp.codecs.residual import SYNC_FULL, SYNC_RESTART
 from fedcomp.controlvariates import ControlVariateServer
 from fedcomp.failures import Failure, failure_of
-from fedcomp.flower.accounting import record_bytes, wire_bytes
+from fedcomp.flower.accounting import count, record_bytes
 from fedcomp.flower.joint import split_reply
 from fedcomp.flower.records import account_reply, empty_client_row
 from fedcomp.flower.round_state import Decoded, RoundState
@@ -33,6 +33,7 @@ from fedcomp.keys import (
     RECORD_PAYLOAD,
 )
 from fedcomp.onebit import OneBitCode
+from fedcomp.traffic import Kind
 
 log = logging.getLogger("fedcomp.flower.strategy")  # one logger for the wrapper's lines
 
@@ -143,7 +144,8 @@ class ReplyDecoder:
         for msg in replies:
             sid = self.stable_of(msg.metadata.src_node_id)
             row = state.per_client.setdefault(sid, empty_client_row(sid)) if sid is not None else {}
-            row["uplink_wire_bytes"] = row.get("uplink_wire_bytes", 0) + wire_bytes(msg)
+            wire = count(state.traffic, Kind.TRAIN_REPLY, msg, client=sid)
+            row["uplink_wire_bytes"] = row.get("uplink_wire_bytes", 0) + wire
             if msg.has_error():
                 _count_error_reply(state, sid, msg)
                 continue
@@ -186,6 +188,10 @@ class ReplyDecoder:
         for item in decoded:
             row = state.per_client[item.stable_id]
             account_reply(row, item.message.content[RECORD_PAYLOAD], item.metrics, item.weight)
+            if "fp32_wire_bytes" in row:  # the reply's fp32 size, measured by the client
+                state.traffic.correct_fp32(
+                    Kind.TRAIN_REPLY, row["uplink_wire_bytes"], row["fp32_wire_bytes"]
+                )
             if item.pending is not None and self.cv is not None:
                 self.cv.commit(item.pending)
             state.record.resyncs += item.sync == SYNC_FULL

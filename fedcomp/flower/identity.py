@@ -16,6 +16,7 @@ import time
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
+from fedcomp.flower.accounting import count
 from fedcomp.keys import (
     KEY_QUERY,
     KEY_STABLE_ID,
@@ -24,6 +25,7 @@ from fedcomp.keys import (
     QUERY_IDENTITY,
     RECORD_IDENTITY,
 )
+from fedcomp.traffic import Kind, Traffic
 
 # --- client half ---------------------------------------------------------------------
 
@@ -98,8 +100,11 @@ class StableIds:
         for node_id in [n for n in self._by_node if n not in connected]:
             self._by_stable.pop(self._by_node.pop(node_id), None)
 
-    def refresh(self, grid: Grid, *, expected: int, timeout: float) -> None:
-        """Wait for ``expected`` nodes, then query every node not yet known.
+    def refresh(
+        self, grid: Grid, *, expected: int, timeout: float, traffic: Traffic | None = None
+    ) -> None:
+        """Wait for ``expected`` nodes, then query every node not yet known (the queries
+        and replies are counted in ``traffic``).
 
         Raises
         ------
@@ -120,8 +125,13 @@ class StableIds:
         query = RecordDict({"config": ConfigRecord({KEY_QUERY: QUERY_IDENTITY})})
         messages = [Message(query, dst_node_id=n, message_type=MessageType.QUERY) for n in unknown]
         remaining = max(deadline - time.monotonic(), 1.0)
+        if traffic is not None:
+            for msg in messages:
+                count(traffic, Kind.IDENTITY_QUERY, msg, client=None)
         for reply in grid.send_and_receive(messages, timeout=remaining):
             node_id = reply.metadata.src_node_id
+            if traffic is not None:
+                count(traffic, Kind.IDENTITY_REPLY, reply, client=None)
             if reply.has_error():
                 log.warning("identity query to node %d failed: %s", node_id, reply.error.reason)
                 continue

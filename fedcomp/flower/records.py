@@ -24,6 +24,7 @@ from fedcomp.keys import (
     RECORD_PAYLOAD,
 )
 from fedcomp.results import RoundCounts
+from fedcomp.traffic import Kind, Traffic
 
 #: Client metrics copied into each client's row (without the "fedcomp." prefix).
 _COPIED = (
@@ -111,6 +112,7 @@ def round_record(
     codec_spec: Mapping[str, Any],
     tensor_codecs: Mapping[str, str],
     cv: ControlVariateServer | None,
+    traffic: Traffic,
 ) -> dict[str, Any]:
     """One round of results.json (fedcomp.results gives the shape)."""
     measured = [r for r in rows if "fp32_codec_bytes" in r]  # decoded replies only
@@ -131,6 +133,7 @@ def round_record(
         "downlink_record_bytes": sum(r["downlink_record_bytes"] for r in rows),
         "downlink_wire_bytes": sum(r["downlink_wire_bytes"] for r in rows),
         "per_client": rows,
+        **traffic.round_fields(),
         "decode_s": counts.decode_s,
         "aggregate_s": counts.aggregate_s,
         "round_s": round_s,
@@ -165,6 +168,15 @@ def round_record(
     }
 
 
+def client_rows(per_client: dict[int, dict[str, Any]], traffic: Traffic) -> list[dict[str, Any]]:
+    """The round's per-client rows in stable-id order, each with its wire bytes by
+    message kind (clients that only evaluated get a row too)."""
+    for sid, by_kind in traffic.per_client.items():
+        row = per_client.setdefault(sid, empty_client_row(sid))
+        row["wire_bytes_by_kind"] = dict(sorted(by_kind.items()))
+    return [per_client[sid] for sid in sorted(per_client)]
+
+
 def human_bytes(num_bytes: int) -> str:
     """Bytes for the log line (results.json keeps exact integers)."""
     for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
@@ -179,12 +191,20 @@ def fmt(value: float | None) -> str:
 
 def log_line(record: Mapping[str, Any], num_rounds: int) -> str:
     """The one line printed per round."""
+    total, fp32 = record["total_wire_bytes"], record["fp32_total_wire_bytes"]
+    evaluate = sum(
+        record["traffic"].get(str(k), {}).get("wire_bytes", 0)
+        for k in (Kind.EVALUATE_INSTRUCTION, Kind.EVALUATE_REPLY)
+    )
     return (
         f"round {record['round']}/{num_rounds} | accuracy {fmt(record['accuracy'])} "
         f"loss {fmt(record['loss'])} | client acc {fmt(record['client_accuracy'])} "
+        f"| total wire {human_bytes(total)} ({fmt(fp32 / total if total else None)}x "
+        f"fewer than fp32) "
         f"| up codec {human_bytes(record['uplink_codec_bytes'])} "
         f"record {human_bytes(record['uplink_record_bytes'])} "
         f"wire {human_bytes(record['uplink_wire_bytes'])} "
         f"| down wire {human_bytes(record['downlink_wire_bytes'])} "
+        f"| evaluate wire {human_bytes(evaluate)} "
         f"| {record['replied']}/{record['selected']} replied | {record['round_s']:.2f} s"
     )

@@ -11,6 +11,7 @@ from flwr.app import Message, MetricRecord
 from fedcomp.controlvariates import PendingMirror
 from fedcomp.flower.joint import JointRound
 from fedcomp.results import RoundCounts
+from fedcomp.traffic import Traffic
 
 
 @dataclass
@@ -43,3 +44,5 @@ class RoundState:
     per_client: dict[int, dict[str, Any]] = field(default_factory=dict)
     tensor_codecs: dict[str, str] = field(default_factory=dict)
     joint: JointRound | None = None
+    #: Every message of the round, both ways, by kind.
+    traffic: Traffic = field(default_factory=Traffic)

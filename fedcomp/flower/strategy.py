@@ -53,14 +53,14 @@ from fedcomp.codecs import (
 )
 from fedcomp.controlvariates import ControlVariateServer, MirrorStore
 from fedcomp.failures import Failure
-from fedcomp.flower.accounting import record_bytes, wire_bytes
+from fedcomp.flower.accounting import count, record_bytes
 from fedcomp.flower.decoding import ReplyDecoder
 from fedcomp.flower.handoff import make_handoff
 from fedcomp.flower.identity import StableIds
 from fedcomp.flower.inner_state import inner_state_dict, load_inner_state_dict
 from fedcomp.flower.instructions import Instructions, sample
 from fedcomp.flower.joint import plan_round
-from fedcomp.flower.records import empty_client_row, log_line, round_record
+from fedcomp.flower.records import client_rows, empty_client_row, log_line, round_record
 from fedcomp.flower.round_state import Decoded, RoundState
 from fedcomp.flower.validation import (
     ReplyError,
@@ -74,6 +74,7 @@ from fedcomp.keys import (
 from fedcomp.onebit import OneBitCode
 from fedcomp.onebit.federated import JointServerState
 from fedcomp.rules import check_server_options
+from fedcomp.traffic import Kind, Traffic
 from fedcomp.trees.aggregate import TreeConfig, TreeStats
 
 log = logging.getLogger(__name__)
@@ -225,6 +226,8 @@ class CompressedStrategy(Strategy):
         self._completed_round = 0
         self.last_arrays: ArrayRecord | None = None
         self._state: RoundState | None = None
+        #: Messages exchanged between rounds (first contact), counted in the next one.
+        self._pending_traffic = Traffic()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -261,7 +264,7 @@ class CompressedStrategy(Strategy):
             raise ValueError(f"first_round={first_round} is not in 1..{num_rounds}")
         self._num_rounds = num_rounds
         self._offset = first_round - 1
-        self.ids.refresh(grid, expected=self.expected_nodes, timeout=self.identity_timeout)
+        self._refresh_ids(grid)
 
         def evaluate_and_close(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
             if server_round == 0 and self._offset:
@@ -285,6 +288,15 @@ class CompressedStrategy(Strategy):
         return result
 
     # ------------------------------------------------------------------ instructions
+
+    def _refresh_ids(self, grid: Grid) -> None:
+        """Learn the stable ids of newly connected nodes (counted in the next round)."""
+        self.ids.refresh(
+            grid,
+            expected=self.expected_nodes,
+            timeout=self.identity_timeout,
+            traffic=self._pending_traffic,
+        )
 
     def _sample(self, server_round: int, fraction: float, purpose: str) -> list[int]:
         return sample(self.ids.stable_ids(), fraction, self.run_seed, purpose, server_round)
@@ -311,8 +323,9 @@ class CompressedStrategy(Strategy):
         """Sample over stable ids and send each client its own config."""
         server_round += self._offset
         t_start = time.perf_counter()
-        self.ids.refresh(grid, expected=self.expected_nodes, timeout=self.identity_timeout)
+        self._refresh_ids(grid)
         state = RoundState(number=server_round, t_start=t_start)
+        state.traffic, self._pending_traffic = self._pending_traffic, Traffic()
         state.global_arrays = {k: np.asarray(v.numpy()) for k, v in arrays.items()}
         self._state = state
         template = list(self.strategy.configure_train(server_round, arrays, config, grid))
@@ -327,7 +340,9 @@ class CompressedStrategy(Strategy):
         for sid, msg in state.sent.items():
             row = state.per_client.setdefault(sid, empty_client_row(sid))
             row["downlink_record_bytes"] = record_bytes(msg.content)
-            row["downlink_wire_bytes"] = wire_bytes(msg)
+            row["downlink_wire_bytes"] = count(
+                state.traffic, Kind.TRAIN_INSTRUCTION, msg, client=sid
+            )
         state.record.selected = len(selected)
         return list(state.sent.values())
 
@@ -419,7 +434,11 @@ class CompressedStrategy(Strategy):
             return []
         selected = self._sample(server_round, self.fraction_evaluate, "evaluate-sample")
         self._evaluate_sent = set(selected)
-        return list(self._messages(template, selected, server_round, MessageType.EVALUATE).values())
+        sent = self._messages(template, selected, server_round, MessageType.EVALUATE)
+        if self._state is not None and self._state.number == server_round:
+            for sid, msg in sent.items():
+                count(self._state.traffic, Kind.EVALUATE_INSTRUCTION, msg, client=sid)
+        return list(sent.values())
 
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]
@@ -434,7 +453,12 @@ class CompressedStrategy(Strategy):
         ``ACCURACY_KEYS`` and ``LOSS_KEYS`` present.
         """
         server_round += self._offset
-        valid = self._valid_evaluate_replies(list(replies), server_round)
+        replies = list(replies)
+        if self._state is not None and self._state.number == server_round:
+            for msg in replies:
+                sid = self.ids.stable_of(msg.metadata.src_node_id)
+                count(self._state.traffic, Kind.EVALUATE_REPLY, msg, client=sid)
+        valid = self._valid_evaluate_replies(replies, server_round)
         try:
             metrics = self.strategy.aggregate_evaluate(server_round, valid)
         except Exception as exc:  # evaluation is a report: it must not end the run
@@ -508,11 +532,12 @@ class CompressedStrategy(Strategy):
             server_round,
             central_dict,
             state.record,
-            [state.per_client[sid] for sid in sorted(state.per_client)],
+            client_rows(state.per_client, state.traffic),
             round_s=time.perf_counter() - state.t_start,
             codec_spec=json.loads(self.instructions.codec_json),
             tensor_codecs=state.tensor_codecs,
             cv=self.cv,
+            traffic=state.traffic,
         )
         self.rounds.append(record)
         self._state = None

@@ -1,0 +1,128 @@
+"""Every message of a round is counted, by kind, with the bytes the real messages have.
+
+The whole job runs in-process (the repository's ClientApp and ServerApp code, real
+Flower messages); the test measures every message the grid carried on its own and
+compares with what results.json says, round by round and kind by kind."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+from flwr.app import Message, MessageType
+from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+
+from clients.client_app import make_client_app
+from experiments.inprocess import InProcessGrid
+from fedcomp.results import build_results, round_sum
+from fedcomp.settings import settings_from_dict
+from fedcomp.traffic import Kind
+from strategies.server_app import run_server
+
+_KIND = {
+    (MessageType.TRAIN, False): Kind.TRAIN_INSTRUCTION,
+    (MessageType.TRAIN, True): Kind.TRAIN_REPLY,
+    (MessageType.EVALUATE, False): Kind.EVALUATE_INSTRUCTION,
+    (MessageType.EVALUATE, True): Kind.EVALUATE_REPLY,
+    (MessageType.QUERY, False): Kind.IDENTITY_QUERY,
+    (MessageType.QUERY, True): Kind.IDENTITY_REPLY,
+}
+
+
+def _deflated(msg: Message) -> int:
+    return sum(len(o.deflate()) for o in get_all_nested_objects(msg).values())
+
+
+def _measured(grid: InProcessGrid) -> dict[int, dict[str, list[int]]]:
+    """Round -> kind -> the wire bytes of every message the grid carried. Identity
+    messages precede round 1 (a static set of nodes); the rest carry their round."""
+    out: dict[int, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
+    for replies, messages in ((False, grid.sent), (True, grid.replies)):
+        for msg in messages:
+            kind = _KIND[(msg.metadata.message_type, replies)]
+            group = msg.metadata.group_id
+            out[int(group) if group.isdigit() else 1][str(kind)].append(_deflated(msg))
+    return out
+
+
+def _run(codec: dict, **overrides) -> tuple[dict, InProcessGrid]:
+    settings = settings_from_dict(
+        {
+            "num_clients": 6,
+            "num_rounds": 2,
+            "fraction_train": 0.5,
+            "fraction_evaluate": 0.5,
+            "codec": codec,
+            **overrides,
+        }
+    )
+    grid = InProcessGrid(make_client_app(), settings.num_clients)
+    return run_server(grid, settings), grid
+
+
+@pytest.mark.parametrize(
+    "codec", [{"name": "fp32"}, {"name": "uniform", "bits": 2}], ids=["fp32", "uniform2"]
+)
+def test_every_message_kind_is_counted_with_its_real_size(codec: dict) -> None:
+    results, grid = _run(codec)
+    measured = _measured(grid)
+    for record in results["rounds"]:
+        seen = measured[record["round"]]
+        counted = record["traffic"]
+        assert set(counted) == set(seen)
+        for kind, sizes in seen.items():
+            assert counted[kind]["messages"] == len(sizes)
+            assert counted[kind]["wire_bytes"] == sum(sizes), kind
+        assert record["total_wire_bytes"] == sum(sum(s) for s in seen.values())
+        train = sum(seen[str(Kind.TRAIN_INSTRUCTION)]) + sum(seen[str(Kind.TRAIN_REPLY)])
+        assert record["train_wire_bytes"] == train
+        # The old fields keep their meaning: train instructions down, train replies up.
+        assert record["downlink_wire_bytes"] == sum(seen[str(Kind.TRAIN_INSTRUCTION)])
+        assert record["uplink_wire_bytes"] == sum(seen[str(Kind.TRAIN_REPLY)])
+        # Per client: each client's rows add up to the round's counts per kind.
+        for kind in (Kind.TRAIN_INSTRUCTION, Kind.EVALUATE_INSTRUCTION, Kind.EVALUATE_REPLY):
+            per_client = sum(r["wire_bytes_by_kind"].get(kind, 0) for r in record["per_client"])
+            assert per_client == sum(seen[str(kind)])
+    # Evaluate traffic is real traffic: each round sent half the clients the model.
+    assert all(r["traffic"][Kind.EVALUATE_INSTRUCTION]["messages"] == 3 for r in results["rounds"])
+
+
+def test_fp32_reference_is_the_same_schedule_measured_under_fp32() -> None:
+    fp32, _ = _run({"name": "fp32"})
+    two_bit, _ = _run({"name": "uniform", "bits": 2})
+    for a, b in zip(fp32["rounds"], two_bit["rounds"], strict=True):
+        # Under fp32 every message is its own reference.
+        assert a["fp32_total_wire_bytes"] == a["total_wire_bytes"]
+        # Compressed: the references differ from the sizes sent by exactly the decoded
+        # replies' measured fp32 sizes, and are what fp32 really sent, up to the few
+        # bytes of per-message metadata (codec names, timestamps) that differ.
+        saved = sum(
+            r["fp32_wire_bytes"] - r["uplink_wire_bytes"]
+            for r in b["per_client"]
+            if "fp32_wire_bytes" in r
+        )
+        assert b["fp32_total_wire_bytes"] - b["total_wire_bytes"] == saved > 0
+        assert abs(b["fp32_total_wire_bytes"] - a["total_wire_bytes"]) < 64 * sum(
+            c["messages"] for c in a["traffic"].values()
+        )
+    s = two_bit["summary"]
+    assert s["total_wire_bytes"] == sum(r["total_wire_bytes"] for r in two_bit["rounds"])
+    assert s["total_ratio_vs_fp32"] == pytest.approx(
+        s["fp32_total_wire_bytes"] / s["total_wire_bytes"]
+    )
+    # Uplink-only compression cannot cut the total by more than the uplink's share.
+    assert 1.0 < s["total_ratio_vs_fp32"] < s["train_ratio_vs_fp32"] < s["ratio_vs_fp32_wire"]
+
+
+def test_files_without_the_traffic_fields_read_as_unavailable() -> None:
+    results, _ = _run({"name": "fp32"}, num_rounds=1)
+    old_round = {
+        k: v
+        for k, v in results["rounds"][0].items()
+        if k not in ("traffic", "total_wire_bytes", "fp32_total_wire_bytes")
+        and not k.endswith("train_wire_bytes")
+    }
+    rebuilt = build_results(results["config"], [old_round], wall_s=1.0)
+    assert round_sum(rebuilt["rounds"], "total_wire_bytes") is None
+    assert rebuilt["summary"]["total_ratio_vs_fp32"] is None
+    assert rebuilt["summary"]["total_wire_bytes"] is None
