@@ -15,6 +15,8 @@ import numpy as np
 from flwr.app import ArrayRecord, Context, Error, Message, MessageType, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
+from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_contents
 from flwr.supercore.task_identity import TaskIdentity
 
 from fedcomp.keys import KEY_NUM_EXAMPLES
@@ -81,6 +83,10 @@ class InProcessGrid:
         self.order = order
         self.sent: list[Message] = []
         self.replies: list[Message] = []
+        #: Bytes each sent message and each received reply pushed through the transport
+        #: (parallel to ``sent`` and ``replies``).
+        self.sent_bytes: list[int] = []
+        self.received_bytes: list[int] = []
 
     def partition_of(self, node_id: int) -> int:
         return int(self.contexts[node_id].node_config["partition-id"])
@@ -95,8 +101,9 @@ class InProcessGrid:
         for msg in messages:
             self.sent.append(msg)
             node_id = msg.metadata.dst_node_id
+            delivered = self._transport(msg, self.sent_bytes)
             try:
-                reply = self.app(msg, self.contexts[node_id])
+                reply = self.app(delivered, self.contexts[node_id])
             except Exception as exc:  # a ClientApp exception becomes an error reply
                 reply = Message(
                     Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=repr(exc)),
@@ -109,8 +116,19 @@ class InProcessGrid:
             replies.extend(reply if isinstance(reply, list) else [reply])
         if self.order is not None:
             replies = self.order(replies)
+        replies = [self._transport(r, self.received_bytes) for r in replies]
         self.replies.extend(replies)
         return replies
+
+    @staticmethod
+    def _transport(msg: Message, pushed: list[int]) -> Message:
+        """The message as the other side gets it: deflated into Flower's objects and
+        inflated again (its own copy, so a mod that rebuilds a message's content does
+        not change what the server sent); the bytes pushed are appended to ``pushed``
+        (identical objects once, as Flower pushes them)."""
+        contents = {oid: o.deflate() for oid, o in get_all_nested_objects(msg).items()}
+        pushed.append(sum(len(c) for c in contents.values()))
+        return inflate_object_from_contents(msg.object_id, contents)
 
 
 class Spy:

@@ -35,6 +35,20 @@ KEY_POLICY = "fedcomp.policy"
 KEY_JOINT_INDEX = "fedcomp.joint-index"
 KEY_JOINT_CLIENTS = "fedcomp.joint-clients"
 KEY_JOINT_TAU = "fedcomp.joint-tau"
+#: Downlink replica (fedcomp.downlink): how this instruction carries the model
+#: ("full": x_hat under the strategy's arrays key; "steps": the payloads of the steps
+#: the client lacks, in RECORD_DOWNLINK, and no model), the version and checksum of
+#: x_hat it brings the client to, and the arrays key the mod rebuilds the model under.
+KEY_DOWNLINK = "fedcomp.downlink"
+DOWNLINK_FULL = "full"
+DOWNLINK_STEPS = "steps"
+KEY_DOWNLINK_VERSION = "fedcomp.downlink-version"
+KEY_DOWNLINK_CHECKSUM = "fedcomp.downlink-checksum"
+KEY_DOWNLINK_ARRAYS = "fedcomp.downlink-arrays"
+#: ArrayRecord of downlink steps: one packed uint8 payload per "<target>/<tensor>";
+#: the steps themselves as JSON [[source, target, checksum], ...] in KEY_DOWNLINK_STEPS.
+RECORD_DOWNLINK = "fedcomp.downlink-steps"
+KEY_DOWNLINK_STEPS = "fedcomp.downlink-steps"
 #: Query kind for first-contact identity queries.
 KEY_QUERY = "fedcomp.query"
 QUERY_IDENTITY = "identity"
@@ -48,6 +62,13 @@ RECORD_HEADER = "fedcomp.header"
 RECORD_IDENTITY = "fedcomp.identity"
 #: Stable client id (the partition id unless configured otherwise).
 KEY_STABLE_ID = "fedcomp.stable-id"
+#: The message kinds this client's mod handles, comma-separated (e.g. "train,evaluate"):
+#: the server sends model-free evaluate instructions only to mods that rebuild them.
+KEY_HANDLES = "fedcomp.handles"
+#: Downlink replica: the version and checksum of the x_hat this client now holds (the
+#: replica it trained or evaluated on).
+KEY_REPLICA_VERSION = "fedcomp.replica-version"
+KEY_REPLICA_CHECKSUM = "fedcomp.replica-checksum"
 #: Residual memory: the committed control-variate version the payload was encoded
 #: against (0 for a resync), and the checksum of that control variate.
 KEY_CV_VERSION = "fedcomp.cv-version"

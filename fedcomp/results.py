@@ -130,6 +130,10 @@ class RoundCounts:
     diagnostics: dict[str, float] | None = None
     tree: dict[str, Any] | None = None
     joint: dict[str, Any] | None = None
+    #: Downlink replica: the version, step bytes, ||x_hat - x_t|| / ||x_t||.
+    downlink: dict[str, Any] | None = None
+    #: Central accuracy of x_hat, the model the clients hold (when it differs from x_t).
+    replica_accuracy: float | None = None
 
     def count_fault(self, kind: str) -> None:
         """One more failed reply of this fault kind."""

@@ -251,6 +251,9 @@ class Settings:
     train: TrainSettings = field(default_factory=TrainSettings)
     #: Codec spec: ``name`` plus the codec's own parameters (checked by make_codec).
     codec: dict[str, Any] = field(default_factory=lambda: {"name": "fp32"})
+    #: Downlink spec (fedcomp.downlink): a stateless codec's spec plus ``memory``
+    #: (error_feedback or none); ``fp32``: the full model in every instruction.
+    downlink: dict[str, Any] = field(default_factory=lambda: {"name": "fp32"})
     policy: PolicySettings = field(default_factory=PolicySettings)
     #: Strategy spec: ``name`` plus the Flower strategy's keyword arguments.
     strategy: dict[str, Any] = field(default_factory=lambda: {"name": "fedavg"})
@@ -399,6 +402,9 @@ def validate(settings: Settings) -> Settings:
         )
     if "name" not in s.codec:
         _fail("codec", s.codec, "a codec spec needs a 'name'")
+    from fedcomp.downlink import parse_downlink  # the codecs (torch) only when checking
+
+    parse_downlink(s.downlink)  # names downlink.<key>, the value and what is allowed
     if "name" not in s.strategy:
         _fail("strategy", s.strategy, "a strategy spec needs a 'name'")
     _check_choice("strategy.name", s.strategy["name"], STRATEGIES)

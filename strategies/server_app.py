@@ -129,6 +129,7 @@ def build_strategy(
     return CompressedStrategy(
         make_inner_strategy(settings.strategy, settings.num_clients),
         codec=settings.codec,
+        downlink=settings.downlink,
         run_seed=settings.seed,
         expected_nodes=settings.num_clients,
         fraction_train=settings.fraction_train,

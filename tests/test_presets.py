@@ -4,7 +4,6 @@ and the report's table and plots match the results files."""
 
 from __future__ import annotations
 
-import itertools
 import math
 import subprocess
 import sys
@@ -12,11 +11,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hydra import compose, initialize_config_dir
 
 from clients.client_app import make_client_app
 from experiments.inprocess import InProcessGrid
-from experiments.run import CONF_DIR, settings_from_cfg
+from experiments.presets import compose_runs, preset_settings, run_inprocess, sweep_axes
+from experiments.run import CONF_DIR
 from experiments.runtime import PROJECT_ROOT
 from fedcomp.results import load_results
 from fedcomp.settings import Settings, settings_from_dict, validate
@@ -26,53 +25,17 @@ PRESETS = sorted(p.stem for p in (Path(CONF_DIR) / "experiment").glob("*.yaml"))
 NEW_PRESETS = [p for p in PRESETS if "femnist" in p or "cifar10" in p]
 
 
-def _compose_runs(name: str, overrides: list[str], combos: list[tuple[str, ...]]) -> list[Settings]:
-    base = [f"+experiment={name}", *overrides]
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return [settings_from_cfg(compose("config", [*base, *combo])) for combo in combos]
-
-
-def sweep_axes(name: str) -> dict[str, list[str]]:
-    """The preset's sweep: the values of each swept key."""
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        hc = compose("config", [f"+experiment={name}"], return_hydra_config=True)
-    return {k: str(v).split(",") for k, v in hc.hydra.sweeper.params.items()}
-
-
-def preset_settings(name: str, *overrides: str) -> list[Settings]:
-    """Settings of every run of ``python -m experiments.run -m +experiment=<name>
-    <overrides>``: an override of a swept key replaces its values (``seed=0,1``)."""
-    axes = sweep_axes(name)
-    fixed = []
-    for override in overrides:
-        key, value = override.split("=", 1)
-        if key in axes:
-            axes[key] = value.split(",")
-        else:
-            fixed.append(override)
-    grid = [[f"{k}={v}" for v in values] for k, values in axes.items()]
-    return _compose_runs(name, fixed, list(itertools.product(*grid)))
-
-
 def each_value_once(name: str) -> list[Settings]:
     """One run per swept value (the others at their first value): every group option
     and value of the sweep composes, without composing the whole product."""
-    axes = [[f"{k}={v}" for v in values] for k, values in sweep_axes(name).items()]
+    axes = [[f"{k}={v}" for v in values] for k, values in sweep_axes(name)[0].items()]
     firsts = [axis[0] for axis in axes]
     combos = [
         tuple(value if j == i else firsts[j] for j in range(len(axes)))
         for i, axis in enumerate(axes)
         for value in axis
     ]
-    return _compose_runs(name, [], combos)
-
-
-def run_inprocess(settings: Settings) -> dict:
-    """The real ClientApp and ServerApp, one process, no Ray."""
-    ids = [10_000 + i for i in range(settings.num_clients)]
-    return run_server(
-        InProcessGrid(make_client_app(), settings.num_clients, node_ids=ids), settings
-    )
+    return compose_runs(name, [], combos)
 
 
 def test_presets_name_the_experiments_and_validate() -> None:
@@ -91,14 +54,17 @@ def test_presets_name_the_experiments_and_validate() -> None:
         "residual_femnist_smoke": 3,
         "residual_cifar10_smoke": 3,
         "trees_femnist_smoke": 2 * 4,
+        "bidirectional_digits": 2 * 2 * 11 * 3,
+        "bidirectional_digits_smoke": 2 * 2,
     }
     swept: dict[str, list[Settings]] = {}
     for name, count in expected_runs.items():
-        assert math.prod(len(axis) for axis in sweep_axes(name).values()) == count, name
+        assert math.prod(len(axis) for axis in sweep_axes(name)[0].values()) == count, name
         swept[name] = each_value_once(name)
         for s in swept[name]:
             validate(s)
-            assert s.dataset.name == ("cifar10" if "cifar10" in name else "femnist")
+            if "digits" not in name:
+                assert s.dataset.name == ("cifar10" if "cifar10" in name else "femnist")
     residual = swept["residual_femnist"]
     assert {s.codec["name"] for s in residual} == {"fp32", "uniform", "residual"}
     assert {s.codec.get("bits") for s in residual} == {None, 8, 4, 2}
@@ -344,3 +310,41 @@ def test_onebit_cifar10_smoke_runs_two_rounds_with_the_exact_mean_measured(
                 assert 0 < diag["update_mse"] and math.isfinite(diag["update_mse"])
         if s.codec["name"] == "onebit":
             assert results["rounds"][0]["codec"]["joint"]["joint_replied"] == 8
+
+
+def test_bidirectional_digits_smoke_cuts_the_total_with_the_downlink() -> None:
+    """fp32 both ways, the uplink alone, and 2-bit up with 4-bit down at a quarter of
+    the clients: compressing the downlink cuts the TOTAL bytes well beyond what the
+    uplink alone can, and the fp32 references are the same schedule's."""
+    runs = {
+        (s.codec["name"], s.downlink["name"]): s
+        for s in preset_settings("bidirectional_digits_smoke")
+    }
+    assert set(runs) == {
+        ("fp32", "fp32"),
+        ("uniform", "fp32"),
+        ("fp32", "uniform"),
+        ("uniform", "uniform"),
+    }
+    results = {key: run_inprocess(s) for key, s in runs.items()}
+    ratio = {key: r["summary"]["total_ratio_vs_fp32"] for key, r in results.items()}
+    assert ratio[("fp32", "fp32")] == 1.0
+    uplink_only = ratio[("uniform", "fp32")]
+    both = ratio[("uniform", "uniform")]
+    # Train replies are at most a third of fp32 FedAvg's traffic here, so the uplink
+    # alone stays under 1.5x; both ways beat it, more every round as more clients hold
+    # a replica (round 1 sends everyone the full model).
+    assert 1.0 < uplink_only < 1.5 < both
+    per_round = [
+        r["fp32_total_wire_bytes"] / r["total_wire_bytes"]
+        for r in results[("uniform", "uniform")]["rounds"]
+    ]
+    assert per_round == sorted(per_round) and per_round[-1] > 2 * uplink_only
+    fp32 = results[("fp32", "fp32")]["summary"]["total_wire_bytes"]
+    for key, r in results.items():
+        # Each run's fp32 reference is what fp32 FedAvg really sent on the same
+        # schedule, up to per-message metadata and the replica fields of fedcomp's
+        # reply headers (under 100 bytes per message; 0.04% here).
+        messages = sum(c["messages"] for rnd in r["rounds"] for c in rnd["traffic"].values())
+        assert abs(r["summary"]["fp32_total_wire_bytes"] - fp32) <= 96 * messages, key
+        assert all(rnd["replied"] == rnd["selected"] for rnd in r["rounds"]), key

@@ -9,8 +9,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 import pytest
-from flwr.app import Message, MessageType
-from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+from flwr.app import MessageType
 
 from clients.client_app import make_client_app
 from experiments.inprocess import InProcessGrid
@@ -29,19 +28,20 @@ _KIND = {
 }
 
 
-def _deflated(msg: Message) -> int:
-    return sum(len(o.deflate()) for o in get_all_nested_objects(msg).values())
-
-
 def _measured(grid: InProcessGrid) -> dict[int, dict[str, list[int]]]:
-    """Round -> kind -> the wire bytes of every message the grid carried. Identity
-    messages precede round 1 (a static set of nodes); the rest carry their round."""
+    """Round -> kind -> the bytes every message pushed through the in-process
+    transport (Flower's own object deflation, then inflation on the other side).
+    Identity messages precede round 1 (a static set of nodes); the rest carry their
+    round."""
     out: dict[int, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
-    for replies, messages in ((False, grid.sent), (True, grid.replies)):
-        for msg in messages:
+    for replies, messages, sizes in (
+        (False, grid.sent, grid.sent_bytes),
+        (True, grid.replies, grid.received_bytes),
+    ):
+        for msg, size in zip(messages, sizes, strict=True):
             kind = _KIND[(msg.metadata.message_type, replies)]
             group = msg.metadata.group_id
-            out[int(group) if group.isdigit() else 1][str(kind)].append(_deflated(msg))
+            out[int(group) if group.isdigit() else 1][str(kind)].append(size)
     return out
 
 

@@ -17,6 +17,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -55,6 +56,7 @@ from fedcomp.controlvariates import (
     encode_residual,
     residual_header,
 )
+from fedcomp.downlink import Replica, ReplicaError
 from fedcomp.flower.accounting import wire_bytes
 from fedcomp.flower.identity import stable_id_of
 from fedcomp.flower.memory_state import (
@@ -64,6 +66,13 @@ from fedcomp.flower.memory_state import (
     memory_path,
     save_memory_file,
     store_memory,
+)
+from fedcomp.flower.replica import (
+    downlink_config,
+    load_replica,
+    rebuild_model,
+    replica_header,
+    store_replica,
 )
 from fedcomp.keys import (
     KEY_ACK_ROUND,
@@ -244,8 +253,14 @@ class CompressionMod:
         self._fp32 = make_codec("fp32")
 
     def __call__(self, msg: Message, ctxt: Context, call_next: ClientAppCallable) -> Message:
-        if msg.metadata.message_type != MessageType.TRAIN:
+        kind = msg.metadata.message_type
+        if kind not in (MessageType.TRAIN, MessageType.EVALUATE):
             return call_next(msg, ctxt)
+        replica = self._take_downlink(msg, ctxt)
+        if isinstance(replica, Message):  # the replica cannot be brought up to date
+            return replica
+        if kind == MessageType.EVALUATE:
+            return self._evaluate(msg, ctxt, call_next, replica)
         instruction = self._read_instruction(msg, ctxt)
         if isinstance(instruction, Message):  # a precondition failed: an error reply
             return instruction
@@ -266,6 +281,7 @@ class CompressionMod:
                 KEY_ROUND: instruction.round,
                 KEY_CODEC: json.dumps(instruction.codec.spec(), sort_keys=True),
                 **encoded.header,
+                **(replica_header(replica) if replica is not None else {}),
             }
         )
         content = payload_content(encoded.payloads)
@@ -277,6 +293,39 @@ class CompressionMod:
             directory = self._state_dir(msg)
             if directory:
                 save_memory_file(memory_path(directory, instruction.stable_id), encoded.memory)
+        return reply
+
+    def _take_downlink(self, msg: Message, ctxt: Context) -> Replica | Message | None:
+        """Bring this client's replica up to the server's x_hat and put the model into
+        ``msg`` (fedcomp.flower.replica); None when the instruction has no downlink
+        replica, an error reply (never trained on) when it cannot be done."""
+        if downlink_config(msg.content) is None:
+            return None
+        try:
+            path = self._replica_path(msg, ctxt)
+            replica = rebuild_model(msg, load_replica(ctxt.state, path))
+            store_replica(ctxt.state, replica, path)
+        except (ReplicaError, ValueError, KeyError, TypeError) as exc:
+            return _precondition_error(msg, f"CompressionMod: downlink replica: {exc}")
+        return replica
+
+    def _replica_path(self, msg: Message, ctxt: Context) -> Path | None:
+        directory = self._state_dir(msg)
+        if not directory:
+            return None
+        return Path(directory) / f"replica-{stable_id_of(ctxt):06d}.npz"
+
+    @staticmethod
+    def _evaluate(
+        msg: Message, ctxt: Context, call_next: ClientAppCallable, replica: Replica | None
+    ) -> Message:
+        """Evaluate instructions: the app's handler on the rebuilt model; the reply says
+        which replica was evaluated."""
+        reply = call_next(msg, ctxt)
+        if replica is not None and not reply.has_error():
+            reply.content[RECORD_HEADER] = ConfigRecord(
+                {KEY_STABLE_ID: stable_id_of(ctxt), **replica_header(replica)}
+            )
         return reply
 
     def _read_instruction(self, msg: Message, ctxt: Context) -> _Instruction | Message:

@@ -149,6 +149,12 @@ def round_record(
         "capped": counts.capped,
         "clipped": counts.clipped,
         **({"diagnostics": counts.diagnostics} if counts.diagnostics is not None else {}),
+        **({"downlink": counts.downlink} if counts.downlink is not None else {}),
+        **(
+            {"replica_accuracy": counts.replica_accuracy}
+            if counts.replica_accuracy is not None
+            else {}
+        ),
         "codec": {
             "spec": dict(codec_spec),
             "fp32_codec_bytes": fp32_codec,

@@ -52,8 +52,9 @@ from fedcomp.codecs import (
     make_codec_from_spec,
 )
 from fedcomp.controlvariates import ControlVariateServer, MirrorStore
+from fedcomp.downlink import BroadcastServer, DownlinkSpec, parse_downlink
 from fedcomp.failures import Failure
-from fedcomp.flower.accounting import count, record_bytes
+from fedcomp.flower.accounting import count, record_bytes, wire_bytes
 from fedcomp.flower.decoding import ReplyDecoder
 from fedcomp.flower.handoff import make_handoff
 from fedcomp.flower.identity import StableIds
@@ -61,6 +62,7 @@ from fedcomp.flower.inner_state import inner_state_dict, load_inner_state_dict
 from fedcomp.flower.instructions import Instructions, sample
 from fedcomp.flower.joint import plan_round
 from fedcomp.flower.records import client_rows, empty_client_row, log_line, round_record
+from fedcomp.flower.replica import ReplicaSender
 from fedcomp.flower.round_state import Decoded, RoundState
 from fedcomp.flower.validation import (
     ReplyError,
@@ -78,6 +80,7 @@ from fedcomp.traffic import Kind, Traffic
 from fedcomp.trees.aggregate import TreeConfig, TreeStats
 
 log = logging.getLogger(__name__)
+
 
 class CompressedStrategy(Strategy):
     """Decode compressed client updates and delegate aggregation to a Flower strategy.
@@ -147,6 +150,7 @@ class CompressedStrategy(Strategy):
         weight_cap: float = 0.0,
         norm_cap: float = 0.0,
         reject_factor: float = 1000.0,
+        downlink: DownlinkSpec | Mapping[str, Any] | None = None,
     ) -> None:
         if not isinstance(strategy, Strategy):
             raise TypeError(f"strategy must be a Flower Strategy, found {type(strategy)}")
@@ -198,6 +202,16 @@ class CompressedStrategy(Strategy):
         self.norm_cap = float(norm_cap)
         self.reject_factor = float(reject_factor)
         self.ids = StableIds()
+        #: Downlink replica (None: the full fp32 model in every instruction, as Flower).
+        self.downlink = (
+            downlink
+            if isinstance(downlink, DownlinkSpec)
+            else parse_downlink(downlink or {"name": "fp32"})
+        )
+        self.broadcast = (
+            BroadcastServer(self.downlink, self.policy, run_seed) if self.downlink.active else None
+        )
+        self.replicas = ReplicaSender(self.broadcast) if self.broadcast is not None else None
         # Collaborators, chosen once: reply decoding and the hand-over to the inner
         # strategy (per client, plain mean, reduction tree or joint decode).
         self.decoder = ReplyDecoder(
@@ -271,6 +285,7 @@ class CompressedStrategy(Strategy):
                 return None  # resumed: the initial model was evaluated in the first run
             server_round += self._offset if server_round else 0
             result = evaluate_fn(server_round, arrays) if evaluate_fn else None
+            self._evaluate_replica(server_round, evaluate_fn)
             self.last_arrays = arrays  # the model after this round (checkpoints)
             self._close_round(server_round, result)
             return result
@@ -315,6 +330,44 @@ class CompressedStrategy(Strategy):
             plan=self._state.joint if self._state is not None else None,
         )
 
+    def _carry_replica(self, msg: Message, sid: int, *, model_free: bool) -> int | None:
+        """Downlink replica: replace the instruction's model by what the client's
+        replica needs; return the wire bytes of the fp32 instruction it replaces (the
+        fp32 reference), None without a replica (the message is its own reference)."""
+        if self.replicas is None:
+            return None
+        reference = wire_bytes(msg)
+        self.replicas.attach(msg.content, sid, model_free=model_free)
+        return reference
+
+    def _evaluate_replica(
+        self,
+        server_round: int,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None,
+    ) -> None:
+        """Central accuracy of x_hat, the model the clients train and evaluate on, when
+        it differs from x_t (Flower's Result and ``accuracy`` hold x_t)."""
+        state = self._state
+        if (
+            evaluate_fn is None
+            or self.replicas is None
+            or state is None
+            or state.number != server_round
+            or state.record.downlink is None
+            or state.record.downlink["replica_drift"] == 0.0
+        ):
+            return
+        result = evaluate_fn(server_round, self.replicas.full_record())
+        if result is not None and "accuracy" in result:
+            state.record.replica_accuracy = float(result["accuracy"])
+
+    def _note_replicas(self, replies: list[Message]) -> None:
+        """What each reply says its client's replica holds (fedcomp.flower.replica)."""
+        if self.replicas is None:
+            return
+        for msg in replies:
+            self.replicas.note_reply(self.ids.stable_of(msg.metadata.src_node_id), msg)
+
     # ------------------------------------------------------------------ training
 
     def configure_train(
@@ -328,6 +381,8 @@ class CompressedStrategy(Strategy):
         state.traffic, self._pending_traffic = self._pending_traffic, Traffic()
         state.global_arrays = {k: np.asarray(v.numpy()) for k, v in arrays.items()}
         self._state = state
+        if self.broadcast is not None:
+            self.broadcast.start(state.global_arrays)  # version 0 is the initial model
         template = list(self.strategy.configure_train(server_round, arrays, config, grid))
         if not template:
             return []
@@ -338,10 +393,11 @@ class CompressedStrategy(Strategy):
             )
         state.sent = self._messages(template, selected, server_round, MessageType.TRAIN)
         for sid, msg in state.sent.items():
+            fp32 = self._carry_replica(msg, sid, model_free=True)
             row = state.per_client.setdefault(sid, empty_client_row(sid))
             row["downlink_record_bytes"] = record_bytes(msg.content)
             row["downlink_wire_bytes"] = count(
-                state.traffic, Kind.TRAIN_INSTRUCTION, msg, client=sid
+                state.traffic, Kind.TRAIN_INSTRUCTION, msg, client=sid, fp32_wire_bytes=fp32
             )
         state.record.selected = len(selected)
         return list(state.sent.values())
@@ -355,7 +411,9 @@ class CompressedStrategy(Strategy):
         if state is None or state.number != server_round:
             raise RuntimeError("aggregate_train called without configure_train for this round")
         t0 = time.perf_counter()
-        decoded = self.decoder.decode_all(list(replies), state)
+        replies = list(replies)
+        self._note_replicas(replies)
+        decoded = self.decoder.decode_all(replies, state)
         decoded = self.decoder.drop_outliers(decoded, state)
         self.decoder.accept(decoded, state, self.accepted_round)
         decode_s = time.perf_counter() - t0
@@ -390,6 +448,16 @@ class CompressedStrategy(Strategy):
             )
         state.record.replied = len(decoded)
         state.record.decode_s, state.record.aggregate_s = decode_s, aggregate_s
+        if self.broadcast is not None and arrays is not None:
+            # x_t is the inner strategy's; the clients move to x_hat by one step.
+            new_arrays = {k: np.asarray(v.numpy()) for k, v in arrays.items()}
+            step = self.broadcast.advance(new_arrays)
+            state.record.downlink = {
+                "version": step.target,
+                "step_codec_bytes": step.nbytes,
+                "replica_drift": self.broadcast.drift(new_arrays),
+                "history_steps": len(self.broadcast.history),
+            }
         return arrays, metrics
 
     def state_dict(self) -> dict[str, Any]:
@@ -406,6 +474,7 @@ class CompressedStrategy(Strategy):
             "rounds": list(self.rounds),
             "initial_evaluation": self.initial_evaluation,
             "completed_round": self.rounds[-1]["round"] if self.rounds else 0,
+            "broadcast": self.broadcast.state_dict() if self.broadcast is not None else None,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -422,6 +491,8 @@ class CompressedStrategy(Strategy):
             self.tree_stats.load_state_dict(state["tree_stats"])
         if self.joint_state is not None and state.get("joint") is not None:
             self.joint_state.load_state_dict(state["joint"])
+        if self.broadcast is not None and state.get("broadcast") is not None:
+            self.broadcast.load_state_dict(state["broadcast"])
 
     # ------------------------------------------------------------------ evaluation
 
@@ -435,9 +506,17 @@ class CompressedStrategy(Strategy):
         selected = self._sample(server_round, self.fraction_evaluate, "evaluate-sample")
         self._evaluate_sent = set(selected)
         sent = self._messages(template, selected, server_round, MessageType.EVALUATE)
-        if self._state is not None and self._state.number == server_round:
-            for sid, msg in sent.items():
-                count(self._state.traffic, Kind.EVALUATE_INSTRUCTION, msg, client=sid)
+        for sid, msg in sent.items():
+            model_free = self.broadcast is not None and sid in self.broadcast.evaluates
+            fp32 = self._carry_replica(msg, sid, model_free=model_free)
+            if self._state is not None and self._state.number == server_round:
+                count(
+                    self._state.traffic,
+                    Kind.EVALUATE_INSTRUCTION,
+                    msg,
+                    client=sid,
+                    fp32_wire_bytes=fp32,
+                )
         return list(sent.values())
 
     def aggregate_evaluate(
@@ -454,6 +533,7 @@ class CompressedStrategy(Strategy):
         """
         server_round += self._offset
         replies = list(replies)
+        self._note_replicas(replies)
         if self._state is not None and self._state.number == server_round:
             for msg in replies:
                 sid = self.ids.stable_of(msg.metadata.src_node_id)

@@ -1,0 +1,355 @@
+"""Downlink compression, both halves: the server's broadcast replica and each client's.
+
+Definitions (docs/downlink.md). The server keeps ``x_hat``, the model every
+up-to-date client holds bit for bit, at a version. After round t's aggregation gives
+x_t, the server encodes one step ``p_t = C(x_t - x_hat)`` and moves ``x_hat`` by
+``decode(p_t)``; what ``C`` lost stays in ``x_t - x_hat`` and enters the next step
+(error feedback applied to the broadcast). With ``memory="none"`` the step encodes the
+global update ``x_t - x_{t-1}`` instead and the replicas drift from x_t.
+
+Tensors the policy sends raw (integer buffers, small tensors) travel as their exact
+new value (a ``raw`` payload); every other payload carries a difference. One function,
+:func:`apply_step`, moves a replica on both sides, so the two stay bit-identical; a
+checksum of the result travels with every step and a client never trains on a
+replica whose checksum differs.
+
+No flwr here: ``fedcomp.flower`` carries steps in messages.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedcomp.codecs import Codec, TensorPolicy, decode_bytes, make_codec_from_spec
+from fedcomp.codecs.dense import RawCodec
+from fedcomp.rng import derive_seed
+from fedcomp.rules import fail
+
+#: ``downlink.memory``: error feedback on the server (x_hat), or none (x_t - x_{t-1}).
+MEMORIES = ("error_feedback", "none")
+#: Downlink codec names that mean "no replica": the full model in every instruction.
+OFF = "fp32"
+#: The seed purpose of downlink payloads in the public randomness.
+SEED_PURPOSE = "downlink"
+
+_RAW = RawCodec()
+
+
+class ReplicaError(ValueError):
+    """A client replica that cannot take the steps it was sent (it is resynced)."""
+
+
+@dataclass(frozen=True)
+class DownlinkSpec:
+    """What the server broadcasts with: a stateless codec and the server memory."""
+
+    codec: dict[str, Any] = field(default_factory=lambda: {"name": OFF})
+    memory: str = "error_feedback"
+
+    @property
+    def active(self) -> bool:
+        """False for the default: the full fp32 model in every instruction."""
+        return self.codec.get("name") != OFF
+
+    def build(self) -> Codec:
+        codec = make_codec_from_spec(self.codec)
+        if not isinstance(codec, Codec):
+            raise TypeError(f"{self.codec} is not a stateless codec")
+        return codec
+
+
+def parse_downlink(spec: Mapping[str, Any]) -> DownlinkSpec:
+    """Check a ``downlink`` settings group (name, the codec's parameters, memory).
+
+    Raises
+    ------
+    ValueError
+        ``invalid setting downlink.<key>=<value>: <what is allowed>``.
+    """
+    from fedcomp.codecs import codec_names
+
+    spec = dict(spec)
+    memory = spec.pop("memory", "error_feedback")
+    if memory not in MEMORIES:
+        fail("downlink.memory", memory, f"allowed: {', '.join(MEMORIES)}")
+    name = spec.get("name")
+    allowed = [n for n in codec_names() if n != "raw"]
+    if name not in allowed:
+        fail(
+            "downlink.name",
+            name,
+            f"a stateless codec: {', '.join(allowed)} (fp32: no compression, no replica); "
+            "memories and joint codes cannot encode a broadcast",
+        )
+    try:
+        codec = make_codec_from_spec(spec)
+    except (ValueError, TypeError) as exc:
+        fail("downlink", spec, str(exc))
+    if not isinstance(codec, Codec):
+        fail("downlink.name", name, "a stateless codec")
+    return DownlinkSpec(codec=dict(codec.spec()), memory=str(memory))
+
+
+# --- the step, and the one way to apply it ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class Step:
+    """One broadcast step: from version ``source`` to ``target``, one payload per
+    tensor (a ``raw`` payload is the new value, any other the difference)."""
+
+    source: int
+    target: int
+    payloads: dict[str, bytes]
+    #: Checksum of the replica after this step.
+    checksum: str
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(p) for p in self.payloads.values())
+
+
+def checksum(arrays: Mapping[str, np.ndarray]) -> str:
+    """A digest of the replica: names, dtypes, shapes and bytes, in model order."""
+    h = hashlib.blake2b(digest_size=8)
+    for name, array in arrays.items():
+        a = np.ascontiguousarray(array)
+        h.update(f"{name}|{a.dtype.str}|{a.shape}|".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def apply_step(arrays: Mapping[str, np.ndarray], step: Step) -> dict[str, np.ndarray]:
+    """The replica after ``step`` (both halves call this: bit-identical results).
+
+    Raises
+    ------
+    ReplicaError
+        When the step names other tensors than the replica's, or a payload does not fit.
+    """
+    if set(step.payloads) != set(arrays):
+        raise ReplicaError("the step's tensors are not the replica's")
+    out = {}
+    for name, current in arrays.items():
+        try:
+            decoded = decode_bytes(step.payloads[name], max_numel=current.size)
+        except ValueError as exc:
+            raise ReplicaError(f"{name}: {exc}") from exc
+        if tuple(decoded.shape) != current.shape:
+            raise ReplicaError(f"{name}: payload shape {tuple(decoded.shape)} != {current.shape}")
+        value = decoded.numpy()
+        if _is_raw(step.payloads[name]):
+            out[name] = value.astype(current.dtype, copy=True)
+        else:
+            out[name] = (current + value.astype(current.dtype, copy=False)).astype(
+                current.dtype, copy=False
+            )
+    return out
+
+
+def _is_raw(payload: bytes) -> bool:
+    from fedcomp.codecs.wire import parse_payload
+
+    return parse_payload(payload).header.codec_id == _RAW.codec_id
+
+
+def encode_step(
+    values: Mapping[str, np.ndarray],
+    differences: Mapping[str, np.ndarray],
+    codec: Codec,
+    policy: TensorPolicy,
+    *,
+    seed_parts: tuple[int, int],
+) -> dict[str, bytes]:
+    """One step's payloads: tensors the policy sends raw as their exact new
+    ``values``, the rest as ``codec`` of their ``differences``, seeded from (run seed,
+    purpose, target version, tensor)."""
+    run_seed, version = seed_parts
+    payloads = {}
+    for name, value in values.items():
+        value = np.asarray(value)
+        if policy.travels_raw(value.dtype.kind == "f", value.size):
+            payloads[name] = bytes(_RAW.encode(torch.from_numpy(np.array(value)), seed=0))
+            continue
+        diff = torch.from_numpy(np.asarray(differences[name], dtype=np.float32))
+        seed = derive_seed(run_seed, SEED_PURPOSE, version, name)
+        payloads[name] = bytes(codec.encode(diff, seed=seed))
+    return payloads
+
+
+# --- server half ----------------------------------------------------------------------
+
+
+class BroadcastServer:
+    """The server's replica ``x_hat``, its step history, and what each client holds.
+
+    The history is bounded by bytes: at most one full model's worth (older steps would
+    never be cheaper than sending x_hat itself).
+    """
+
+    def __init__(self, spec: DownlinkSpec, policy: TensorPolicy, run_seed: int) -> None:
+        self.spec = spec
+        self.codec = spec.build()
+        self.policy = policy
+        self.run_seed = run_seed
+        self.x_hat: dict[str, np.ndarray] | None = None
+        #: memory="none": the global model the last step was computed from.
+        self.previous: dict[str, np.ndarray] | None = None
+        self.version = 0
+        self.checksum = ""
+        self.history: deque[Step] = deque()
+        #: The version each client (stable id) confirmed holding; absent: unknown.
+        self.confirmed: dict[int, int] = {}
+        #: Clients whose mod declared it rebuilds the model on evaluate instructions.
+        self.evaluates: set[int] = set()
+
+    def start(self, initial: Mapping[str, np.ndarray]) -> None:
+        """Version 0 is the initial model, exactly (a no-op once started)."""
+        if self.x_hat is None:
+            self.x_hat = {k: np.array(v) for k, v in initial.items()}
+            self.previous = {k: np.array(v) for k, v in initial.items()}
+            self.checksum = checksum(self.x_hat)
+
+    @property
+    def full_nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.x_hat or {}).values())
+
+    def advance(self, x_t: Mapping[str, np.ndarray]) -> Step:
+        """Encode one step toward the new global model and move x_hat by it."""
+        if self.x_hat is None or self.previous is None:
+            raise RuntimeError("BroadcastServer.advance before start")
+        # Error feedback: what x_hat lacks of x_t. None: the global update alone.
+        base = self.x_hat if self.spec.memory == "error_feedback" else self.previous
+        differences = {
+            k: np.asarray(x_t[k], dtype=np.float32) - np.asarray(base[k], dtype=np.float32)
+            for k in x_t
+        }
+        payloads = encode_step(
+            x_t, differences, self.codec, self.policy, seed_parts=(self.run_seed, self.version + 1)
+        )
+        step = Step(self.version, self.version + 1, payloads, "")
+        x_hat = apply_step(self.x_hat, step)
+        step = Step(step.source, step.target, payloads, checksum(x_hat))
+        self.x_hat, self.version, self.checksum = x_hat, step.target, step.checksum
+        self.previous = {k: np.array(v) for k, v in x_t.items()}
+        self.history.append(step)
+        while sum(s.nbytes for s in self.history) > self.full_nbytes and self.history:
+            self.history.popleft()
+        return step
+
+    def steps_for(self, client: int) -> list[Step] | None:
+        """The steps that bring ``client`` to the current version ([] if current), or
+        None when it must receive x_hat in full (no known replica, history too short,
+        or the steps would weigh more than the model)."""
+        have = self.confirmed.get(client)
+        if have is None or have > self.version:
+            return None
+        if have == self.version:
+            return []
+        steps = [s for s in self.history if s.source >= have]
+        if not steps or steps[0].source != have:
+            return None
+        if sum(s.nbytes for s in steps) >= self.full_nbytes:
+            return None
+        return steps
+
+    def confirm(self, client: int, version: int, digest: str) -> bool:
+        """Record the version a reply says its client holds (true when it is one the
+        server can vouch for: the current one, or one in the history)."""
+        known = {self.version: self.checksum, **{s.target: s.checksum for s in self.history}}
+        if known.get(version) == digest:
+            self.confirmed[client] = version
+            return True
+        self.confirmed.pop(client, None)
+        return False
+
+    def forget(self, client: int) -> None:
+        """The client's replica is unknown (an error reply): send x_hat in full next."""
+        self.confirmed.pop(client, None)
+
+    def drift(self, x_t: Mapping[str, np.ndarray]) -> float:
+        """||x_hat - x_t|| / ||x_t|| over the floating-point tensors."""
+        num = den = 0.0
+        for name, value in x_t.items():
+            value = np.asarray(value)
+            if value.dtype.kind != "f" or self.x_hat is None:
+                continue
+            num += float(np.sum((self.x_hat[name].astype(np.float64) - value) ** 2))
+            den += float(np.sum(value.astype(np.float64) ** 2))
+        return float(np.sqrt(num / den)) if den > 0 else 0.0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain data for a checkpoint: x_hat, the previous model, versions, history."""
+        return {
+            "x_hat": None if self.x_hat is None else {k: v.copy() for k, v in self.x_hat.items()},
+            "previous": None
+            if self.previous is None
+            else {k: v.copy() for k, v in self.previous.items()},
+            "version": self.version,
+            "checksum": self.checksum,
+            "history": [(s.source, s.target, dict(s.payloads), s.checksum) for s in self.history],
+            "confirmed": dict(self.confirmed),
+            "evaluates": sorted(self.evaluates),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.x_hat = state["x_hat"]
+        self.previous = state["previous"]
+        self.version = int(state["version"])
+        self.checksum = str(state["checksum"])
+        self.history = deque(Step(a, b, dict(p), c) for a, b, p, c in state["history"])
+        self.confirmed = {int(k): int(v) for k, v in state["confirmed"].items()}
+        self.evaluates = {int(s) for s in state["evaluates"]}
+
+
+# --- client half ----------------------------------------------------------------------
+
+
+@dataclass
+class Replica:
+    """A client's copy of x_hat at a version (absent arrays: no replica yet)."""
+
+    arrays: dict[str, np.ndarray] | None = None
+    version: int = -1
+    checksum: str = ""
+
+    def take_full(self, arrays: Mapping[str, np.ndarray], version: int, digest: str) -> Replica:
+        """The replica sent in full (checked against its checksum)."""
+        copy = {k: np.array(v) for k, v in arrays.items()}
+        if checksum(copy) != digest:
+            raise ReplicaError(f"the full model of version {version} fails its checksum")
+        return Replica(copy, version, digest)
+
+    def take_steps(self, steps: list[Step], target: int, digest: str) -> Replica:
+        """The replica after the steps it has not applied yet; checked against the
+        checksum of the target version. Never modifies ``self``.
+
+        Raises
+        ------
+        ReplicaError
+            No replica, a version the steps do not start from, or a checksum mismatch.
+        """
+        if self.arrays is None:
+            raise ReplicaError("no replica here (new, wiped or restarted): send the model")
+        arrays, version = self.arrays, self.version
+        for step in steps:
+            if step.target <= version:
+                continue  # applied already (its reply was lost)
+            if step.source != version:
+                raise ReplicaError(f"replica at version {version}, steps start at {step.source}")
+            arrays, version = apply_step(arrays, step), step.target
+        if version != target:
+            raise ReplicaError(f"replica at version {version}, the server is at {target}")
+        got = checksum(arrays)
+        if got != digest:
+            raise ReplicaError(
+                f"replica checksum {got} != server's {digest} at version {target}: not trained on"
+            )
+        return Replica(dict(arrays), version, got)

@@ -1,0 +1,411 @@
+"""Downlink replicas: the server's x_hat and every client's copy stay bit-identical
+through partial participation, lost replies, missed rounds, wiped clients, corrupted
+payloads and a resume; steps are what the definitions say; bad settings are refused."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from flwr.app import Message, MessageType
+
+from clients.client_app import make_client_app
+from experiments.inprocess import InProcessGrid, Spy, initial_arrays
+from fedcomp.codecs import TensorPolicy, decode_bytes
+from fedcomp.downlink import (
+    BroadcastServer,
+    Replica,
+    ReplicaError,
+    Step,
+    apply_step,
+    checksum,
+    parse_downlink,
+)
+from fedcomp.flower.replica import RECORD_REPLICA, RECORD_REPLICA_META
+from fedcomp.flower.strategy import CompressedStrategy
+from fedcomp.keys import (
+    DOWNLINK_FULL,
+    DOWNLINK_STEPS,
+    KEY_DOWNLINK,
+    KEY_DOWNLINK_STEPS,
+    KEY_EXPECTED_ID,
+    RECORD_DOWNLINK,
+)
+from fedcomp.settings import settings_from_dict, validate
+from strategies.inner import make_inner_strategy
+from strategies.server_app import client_task, run_server
+
+UNIFORM4 = {"name": "uniform", "bits": 4, "block": 256}
+
+
+def _model(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        "w": rng.normal(size=(40, 30)).astype(np.float32),
+        "b": rng.normal(size=30).astype(np.float32),  # below min_numel: raw
+        "count": np.array([seed], dtype=np.int64),
+    }
+
+
+def _server(spec: dict, memory: str = "error_feedback") -> BroadcastServer:
+    server = BroadcastServer(parse_downlink({**spec, "memory": memory}), TensorPolicy(), 7)
+    server.start(_model(0))
+    return server
+
+
+# ----------------------------------------------------------------------------- the core
+
+
+def test_error_feedback_step_is_the_codec_of_what_x_hat_lacks() -> None:
+    server = _server(UNIFORM4)
+    x0 = {k: v.copy() for k, v in server.x_hat.items()}
+    x1 = _model(1)
+    step = server.advance(x1)
+    # The compressed tensor's payload decodes to a quantization of x1 - x0 ...
+    diff = decode_bytes(step.payloads["w"]).numpy()
+    assert 0 < np.abs(diff - (x1["w"] - x0["w"])).max() < np.abs(x1["w"] - x0["w"]).max() / 4
+    # ... x_hat moved by exactly that, raw tensors became the new values exactly ...
+    assert np.array_equal(server.x_hat["w"], x0["w"] + diff)
+    assert np.array_equal(server.x_hat["b"], x1["b"])
+    assert np.array_equal(server.x_hat["count"], x1["count"])
+    assert server.x_hat["count"].dtype == np.int64
+    # ... and what the step lost enters the next one (error feedback): with an
+    # unchanged x_t the next step encodes x1 - x_hat, and x_hat gets closer.
+    before = np.linalg.norm(server.x_hat["w"] - x1["w"])
+    step2 = server.advance(x1)
+    assert np.allclose(
+        decode_bytes(step2.payloads["w"]).numpy(), x1["w"] - (x0["w"] + diff), atol=before
+    )
+    assert np.linalg.norm(server.x_hat["w"] - x1["w"]) < before / 2
+
+
+def test_memory_none_sends_the_global_update_and_drifts() -> None:
+    ef, none = _server(UNIFORM4), _server(UNIFORM4, memory="none")
+    models = [_model(i) for i in range(1, 9)]
+    for x in models:
+        step = none.advance(x)
+        ef.advance(x)
+    prev = models[-2]["w"]
+    assert np.abs(decode_bytes(step.payloads["w"]).numpy() - (models[-1]["w"] - prev)).max() < (
+        np.abs(models[-1]["w"] - prev).max() / 4
+    )
+    # Without server memory the quantization errors add up; with it they do not.
+    assert none.drift(models[-1]) > 2 * ef.drift(models[-1]) > 0
+
+
+def test_replica_follows_the_server_bit_for_bit_and_skips_applied_steps() -> None:
+    server = _server(UNIFORM4)
+    client = Replica().take_full(server.x_hat, server.version, server.checksum)
+    steps = [server.advance(_model(i)) for i in range(1, 4)]
+    ahead = client.take_steps(steps[:2], 2, steps[1].checksum)  # its reply was lost
+    for replica in (client, ahead):  # both reach version 3 from the same three steps
+        final = replica.take_steps(steps, server.version, server.checksum)
+        assert final.version == 3
+        assert all(np.array_equal(final.arrays[k], server.x_hat[k]) for k in server.x_hat)
+        assert all(final.arrays[k].dtype == server.x_hat[k].dtype for k in server.x_hat)
+
+
+def test_replica_refuses_what_would_leave_it_different_from_the_server() -> None:
+    server = _server(UNIFORM4)
+    client = Replica().take_full(server.x_hat, 0, server.checksum)
+    steps = [server.advance(_model(i)) for i in range(1, 3)]
+    with pytest.raises(ReplicaError, match="no replica"):
+        Replica().take_steps(steps, 2, server.checksum)
+    with pytest.raises(ReplicaError, match="steps start at 1"):
+        client.take_steps(steps[1:], 2, server.checksum)
+    corrupted = bytearray(steps[0].payloads["w"])
+    corrupted[-1] ^= 0xFF
+    bad = Step(0, 1, {**steps[0].payloads, "w": bytes(corrupted)}, steps[0].checksum)
+    with pytest.raises(ReplicaError, match="checksum"):
+        client.take_steps([bad, steps[1]], 2, server.checksum)
+    with pytest.raises(ReplicaError, match="checksum"):
+        Replica().take_full(_model(5), 0, server.checksum)
+    with pytest.raises(ReplicaError, match="tensors"):
+        apply_step({"w": client.arrays["w"]}, steps[0])
+
+
+def test_history_is_bounded_by_one_model_and_catch_up_never_costs_more() -> None:
+    server = _server({"name": "fp16"})
+    server.confirmed[3] = 0
+    for i in range(1, 6):
+        server.advance(_model(i))
+    assert sum(s.nbytes for s in server.history) <= server.full_nbytes
+    assert server.steps_for(3) is None  # too far behind: x_hat in full
+    server.confirmed[4] = server.version - 1
+    assert [s.target for s in server.steps_for(4)] == [server.version]
+    assert server.steps_for(99) is None  # never confirmed anything
+    assert server.confirm(4, server.version, server.checksum)
+    assert server.steps_for(4) == []
+    assert not server.confirm(4, server.version, "0" * 16)  # a replica the server never had
+    assert server.steps_for(4) is None
+
+
+@pytest.mark.parametrize(
+    ("spec", "needle"),
+    [
+        ({"name": "nope"}, "downlink.name='nope'"),
+        ({"name": "onebit"}, "downlink.name='onebit'"),
+        ({"name": "ef", "inner": "sign"}, "downlink.name='ef'"),
+        ({"name": "raw"}, "downlink.name='raw'"),
+        ({"name": "uniform", "bits": 99}, "downlink="),
+        ({"name": "fp16", "memory": "sometimes"}, "downlink.memory='sometimes'"),
+    ],
+)
+def test_bad_downlink_settings_fail_before_anything_starts(spec: dict, needle: str) -> None:
+    with pytest.raises(ValueError, match="invalid setting") as info:
+        validate(settings_from_dict({"downlink": spec}))
+    assert needle in str(info.value)
+
+
+# ----------------------------------------------------------------------------- in Flower
+
+N = 8
+
+
+def _settings(**overrides):
+    return settings_from_dict(
+        {
+            "num_clients": N,
+            "num_rounds": 10,
+            "fraction_train": 0.25,
+            "fraction_evaluate": 0.25,
+            "codec": {"name": "uniform", "bits": 2, "block": 256},
+            "downlink": UNIFORM4,
+            **overrides,
+        }
+    )
+
+
+def _replicas(grid: InProcessGrid) -> dict[int, Replica]:
+    out = {}
+    for node, ctx in grid.contexts.items():
+        if RECORD_REPLICA in ctx.state:
+            meta = ctx.state[RECORD_REPLICA_META]
+            arrays = {k: np.asarray(v.numpy()) for k, v in ctx.state[RECORD_REPLICA].items()}
+            out[grid.partition_of(node)] = Replica(arrays, meta["version"], meta["checksum"])
+    return out
+
+
+def _strategy(settings, rounds: int = 10) -> CompressedStrategy:
+    return CompressedStrategy(
+        make_inner_strategy({"name": "fedavg"}, settings.num_clients),
+        codec=settings.codec,
+        downlink=settings.downlink,
+        run_seed=settings.seed,
+        expected_nodes=settings.num_clients,
+        fraction_train=settings.fraction_train,
+        fraction_evaluate=settings.fraction_evaluate,
+        task=client_task(settings),
+        identity_timeout=5,
+    )
+
+
+def _assert_in_sync(server: BroadcastServer, grid: InProcessGrid) -> int:
+    """Every client replica equals the server's x_hat of its version, bit for bit;
+    returns how many clients are at the current version."""
+    known = {server.version: server.x_hat}
+    current = 0
+    for pid, replica in _replicas(grid).items():
+        assert replica.checksum == checksum(replica.arrays), pid
+        if replica.version == server.version:
+            current += 1
+            assert all(
+                np.array_equal(replica.arrays[k], known[server.version][k])
+                for k in known[server.version]
+            )
+        else:
+            assert (
+                replica.version in {s.target for s in server.history}
+                or replica.version < server.version
+            )
+    return current
+
+
+def test_replicas_stay_bit_identical_through_faults_and_a_resume(tmp_path) -> None:
+    """10 rounds at 25% participation: a dropped reply, a client wiped mid-run, a
+    resume from the state dict after round 6; every replica equals x_hat at its version
+    and the clients evaluated without receiving the model."""
+    settings = _settings()
+    wiped = {"done": False}
+
+    def tamper(pid: int, reply: Message, instruction: Message):
+        group = instruction.metadata.group_id
+        if pid == 1 and group == "3" and instruction.metadata.message_type == MessageType.TRAIN:
+            return None  # the reply is lost: the client holds a version the server doubts
+        return reply
+
+    grid = InProcessGrid(make_client_app(), N, tamper=tamper)
+    first = _strategy(settings)
+    first.start(grid, initial_arrays(settings), num_rounds=6)
+    _assert_in_sync(first.broadcast, grid)
+    # A wiped client (a device that lost its state): it must get the model in full.
+    victim = min(s for s in first.broadcast.evaluates if s in first.broadcast.confirmed)
+    node = next(n for n in grid.contexts if grid.partition_of(n) == victim)
+    for key in (RECORD_REPLICA, RECORD_REPLICA_META):
+        if key in grid.contexts[node].state:
+            del grid.contexts[node].state[key]
+    wiped["done"] = True
+    sent_before_wipe = len(grid.sent)
+    state = first.state_dict()
+    resumed = _strategy(settings)
+    resumed.load_state_dict(state)
+    result = resumed.start(grid, first.last_arrays, num_rounds=10)
+    server = resumed.broadcast
+    assert server.version == 10
+    _assert_in_sync(server, grid)
+    # x_t is Flower's result; x_hat tracks it within the codec's error.
+    x_t = {k: np.asarray(v.numpy()) for k, v in result.arrays.items()}
+    assert 0 < server.drift(x_t) < 0.2
+    rounds = first.rounds + resumed.rounds[6:]
+    assert [r["round"] for r in rounds] == list(range(1, 11))
+    # The only error reply of the run is the wiped client's (checked below).
+    errors = [r.error.reason for r in grid.replies if r.has_error()]
+    # Evaluate instructions to current, declared replicas carried no model.
+    evaluate = [m for m in grid.sent if m.metadata.message_type == MessageType.EVALUATE]
+    modes = [m.content.config_records["config"][KEY_DOWNLINK] for m in evaluate]
+    assert DOWNLINK_STEPS in modes and DOWNLINK_FULL in modes
+    for msg in evaluate:
+        config = msg.content.config_records["config"]
+        if config[KEY_DOWNLINK] == DOWNLINK_STEPS:
+            assert list(msg.content.array_records) == [RECORD_DOWNLINK]
+    # A model-free instruction weighs less than a full one, by what its steps save.
+    sizes: dict[str, list[int]] = {DOWNLINK_FULL: [], DOWNLINK_STEPS: []}
+    for msg, size in zip(grid.sent, grid.sent_bytes, strict=True):
+        config = msg.content.config_records.get("config")
+        if config is not None and KEY_DOWNLINK in config:
+            sizes[config[KEY_DOWNLINK]].append(size)
+    assert max(sizes[DOWNLINK_STEPS]) < min(sizes[DOWNLINK_FULL])
+    # Clients that missed 3 or more rounds caught up from the steps they lacked.
+    behind = [
+        len(json.loads(m.content["config"][KEY_DOWNLINK_STEPS]))
+        for m in grid.sent
+        if m.content.config_records.get("config", {}).get(KEY_DOWNLINK) == DOWNLINK_STEPS
+    ]
+    assert max(behind) >= 3
+    # The wiped client answered its next model-free instruction with an error and got
+    # the model in full after it.
+    to_wiped = [
+        m.content["config"][KEY_DOWNLINK]
+        for m in grid.sent[sent_before_wipe:]
+        if m.metadata.message_type in (MessageType.TRAIN, MessageType.EVALUATE)
+        and m.content["config"][KEY_EXPECTED_ID] == victim
+    ]
+    assert to_wiped[:2] == [DOWNLINK_STEPS, DOWNLINK_FULL], to_wiped
+    assert len(errors) == 1 and "no replica" in errors[0]
+    for r in rounds[1:]:
+        assert r["total_wire_bytes"] < r["fp32_total_wire_bytes"]
+
+
+def test_a_corrupted_step_is_never_trained_on_and_the_client_is_resynced() -> None:
+    settings = _settings(fraction_train=1.0, fraction_evaluate=0.0, num_rounds=4)
+    spy = Spy()
+    grid = InProcessGrid(make_client_app(inner_mods=[spy]), N)
+    send = grid.send_and_receive
+    victim = {"sid": 3, "round": 3}
+    trained: list[tuple[int, int]] = []
+
+    def corrupting(messages, *, timeout=None):
+        messages = list(messages)
+        for msg in messages:
+            config = msg.content.config_records.get("config")
+            if (
+                config is not None
+                and config.get(KEY_EXPECTED_ID) == victim["sid"]
+                and msg.metadata.group_id == str(victim["round"])
+                and RECORD_DOWNLINK in msg.content
+            ):
+                record = msg.content[RECORD_DOWNLINK]
+                name = next(iter(record))
+                data = bytearray(record[name].data)
+                data[-1] ^= 0x01  # one bit flipped in transit
+                record[name].data = bytes(data)
+        replies = send(messages, timeout=timeout)
+        for msg in messages:
+            if msg.metadata.message_type == MessageType.TRAIN:
+                trained.append((int(msg.metadata.group_id), msg.content["config"][KEY_EXPECTED_ID]))
+        return replies
+
+    grid.send_and_receive = corrupting
+    strategy = _strategy(settings)
+    strategy.start(grid, initial_arrays(settings), num_rounds=4)
+    third = strategy.rounds[2]
+    assert third["faults"].get("error_reply") == 1 and third["replied"] == N - 1
+    errors = [r for r in grid.replies if r.has_error()]
+    assert len(errors) == 1 and "checksum" in errors[0].error.reason
+    # The next instruction to the victim carried the model in full, and it is in sync.
+    to_victim = [
+        m
+        for m in grid.sent
+        if m.metadata.message_type == MessageType.TRAIN
+        and m.content["config"][KEY_EXPECTED_ID] == victim["sid"]
+    ]
+    assert to_victim[3].content["config"][KEY_DOWNLINK] == DOWNLINK_FULL
+    assert strategy.rounds[3]["replied"] == N
+    assert _assert_in_sync(strategy.broadcast, grid) >= 0
+
+
+def test_the_default_fp32_downlink_sends_the_inner_strategys_model_unchanged() -> None:
+    settings = _settings(downlink={"name": "fp32"}, codec={"name": "fp32"}, num_rounds=2)
+    grid = InProcessGrid(make_client_app(), N)
+    results = run_server(grid, settings)
+    train = [m for m in grid.sent if m.metadata.message_type == MessageType.TRAIN]
+    for msg in train:
+        assert KEY_DOWNLINK not in msg.content["config"]
+        assert "arrays" in msg.content.array_records
+    assert all(RECORD_REPLICA not in c.state for c in grid.contexts.values())
+    for r in results["rounds"]:
+        assert r["fp32_total_wire_bytes"] == r["total_wire_bytes"]
+        assert "downlink" not in r and "replica_accuracy" not in r
+
+
+@pytest.mark.parametrize(
+    "inner",
+    [
+        {"name": "fedavg"},
+        {"name": "fedprox", "proximal_mu": 0.01},
+        {"name": "fedavgm", "server_momentum": 0.9},
+        {"name": "fedadam", "eta": 0.01},
+        {"name": "fedyogi", "eta": 0.01},
+        {"name": "fedadagrad", "eta": 0.01},
+        {"name": "fedmedian"},
+        {"name": "fedtrimmedavg"},
+    ],
+    ids=lambda s: s["name"],
+)
+@pytest.mark.parametrize(
+    "codec",
+    [
+        {"name": "residual", "inner": "uniform", "bits": 2, "block": 256},
+        {"name": "ef", "inner": "topk", "fraction": 0.05},
+    ],
+    ids=["residual2", "ef_topk"],
+)
+def test_every_inner_strategy_and_memory_codec_composes_with_the_downlink(
+    inner: dict, codec: dict
+) -> None:
+    """3 rounds at half participation: every reply accepted, the model's dtypes kept
+    (FedOpt computes in float64), every replica equal to x_hat at its version."""
+    settings = _settings(
+        codec=codec, strategy=inner, fraction_train=0.5, num_rounds=3, train={"local_epochs": 1}
+    )
+    grid = InProcessGrid(make_client_app(), N)
+    strategy = CompressedStrategy(
+        make_inner_strategy(settings.strategy, N),
+        codec=settings.codec,
+        downlink=settings.downlink,
+        run_seed=settings.seed,
+        expected_nodes=N,
+        fraction_train=0.5,
+        fraction_evaluate=0.5,
+        task=client_task(settings),
+        identity_timeout=5,
+    )
+    initial = initial_arrays(settings)
+    result = strategy.start(grid, initial, num_rounds=3)
+    assert [r["replied"] for r in strategy.rounds] == [N // 2] * 3
+    assert [r["downlink"]["version"] for r in strategy.rounds] == [1, 2, 3]
+    assert {k: v.dtype for k, v in result.arrays.items()} == {
+        k: v.dtype for k, v in initial.items()
+    }
+    assert _assert_in_sync(strategy.broadcast, grid) >= N // 2
