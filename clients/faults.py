@@ -23,7 +23,8 @@ from flwr.clientapp.typing import ClientAppCallable
 from flwr.common.constant import ErrorCode
 
 from fedcomp.flower.identity import stable_id_of
-from fedcomp.keys import FAULT_REASON_PREFIX, KEY_ROUND, KEY_RUN_SEED, KEY_TASK, RECORD_PAYLOAD
+from fedcomp.flower.shared_settings import held_task
+from fedcomp.keys import FAULT_REASON_PREFIX, KEY_ROUND, KEY_RUN_SEED, RECORD_PAYLOAD
 from fedcomp.rng import numpy_generator
 
 #: Fault kinds in the order their probability intervals are laid out.
@@ -46,10 +47,12 @@ def draw_fault(rates: dict[str, float], run_seed: int, server_round: int, stable
 def _fault_of(msg: Message, ctxt: Context):
     if msg.metadata.message_type != MessageType.TRAIN:
         return None, None
-    config = next((c for c in msg.content.config_records.values() if KEY_TASK in c), None)
-    if config is None:
+    # Outside the compression mod: the task may still be only its digest here.
+    task = held_task(msg.content, ctxt.state)
+    config = next((c for c in msg.content.config_records.values() if KEY_ROUND in c), None)
+    if task is None or config is None:
         return None, None
-    rates = json.loads(str(config[KEY_TASK])).get("faults") or {}
+    rates = json.loads(task).get("faults") or {}
     if not any(rates.values()):
         return None, None
     fault = draw_fault(rates, int(config[KEY_RUN_SEED]), int(config[KEY_ROUND]), stable_id_of(ctxt))

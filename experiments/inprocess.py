@@ -88,6 +88,18 @@ class InProcessGrid:
         self.sent_bytes: list[int] = []
         self.received_bytes: list[int] = []
 
+    def restart_node(self, node_id: int, new_node_id: int) -> None:
+        """A node restarts as a new device: a new Flower node id, the same partition
+        and stable id, and an empty Context.state."""
+        old = self.contexts.pop(node_id)
+        self.contexts[new_node_id] = Context(
+            run_id=old.run_id,
+            node_id=new_node_id,
+            node_config=dict(old.node_config),
+            state=RecordDict(),
+            run_config={},
+        )
+
     def partition_of(self, node_id: int) -> int:
         return int(self.contexts[node_id].node_config["partition-id"])
 

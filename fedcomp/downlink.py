@@ -207,8 +207,6 @@ class BroadcastServer:
         self.history: deque[Step] = deque()
         #: The version each client (stable id) confirmed holding; absent: unknown.
         self.confirmed: dict[int, int] = {}
-        #: Clients whose mod declared it rebuilds the model on evaluate instructions.
-        self.evaluates: set[int] = set()
 
     def start(self, initial: Mapping[str, np.ndarray]) -> None:
         """Version 0 is the initial model, exactly (a no-op once started)."""
@@ -296,7 +294,6 @@ class BroadcastServer:
             "checksum": self.checksum,
             "history": [(s.source, s.target, dict(s.payloads), s.checksum) for s in self.history],
             "confirmed": dict(self.confirmed),
-            "evaluates": sorted(self.evaluates),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -306,7 +303,6 @@ class BroadcastServer:
         self.checksum = str(state["checksum"])
         self.history = deque(Step(a, b, dict(p), c) for a, b, p, c in state["history"])
         self.confirmed = {int(k): int(v) for k, v in state["confirmed"].items()}
-        self.evaluates = {int(s) for s in state["evaluates"]}
 
 
 # --- client half ----------------------------------------------------------------------

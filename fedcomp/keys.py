@@ -49,6 +49,10 @@ KEY_DOWNLINK_ARRAYS = "fedcomp.downlink-arrays"
 #: the steps themselves as JSON [[source, target, checksum], ...] in KEY_DOWNLINK_STEPS.
 RECORD_DOWNLINK = "fedcomp.downlink-steps"
 KEY_DOWNLINK_STEPS = "fedcomp.downlink-steps"
+#: Digest of the run settings (codec, policy, task) the instruction means; the values
+#: themselves travel only until the client's reply header confirms the digest
+#: (fedcomp.flower.shared_settings).
+KEY_SETTINGS = "fedcomp.settings"
 #: Query kind for first-contact identity queries.
 KEY_QUERY = "fedcomp.query"
 QUERY_IDENTITY = "identity"

@@ -72,6 +72,9 @@ class StableIds:
     def __init__(self) -> None:
         self._by_node: dict[int, int] = {}
         self._by_stable: dict[int, int] = {}
+        #: Stable ids whose node disconnected or reconnected under a new node id since
+        #: the caller last drained this set: a restarted node may have lost its state.
+        self.moved: set[int] = set()
 
     def __len__(self) -> int:
         return len(self._by_stable)
@@ -92,13 +95,17 @@ class StableIds:
         if old_node is not None and old_node != node_id:
             log.warning("stable id %d moved from node %d to node %d", stable_id, old_node, node_id)
             self._by_node.pop(old_node, None)
+            self.moved.add(stable_id)
         self._by_node[node_id] = stable_id
         self._by_stable[stable_id] = node_id
 
     def forget_missing(self, connected: set[int]) -> None:
-        """Drop nodes that are no longer connected."""
+        """Drop nodes that are no longer connected (if one comes back, it is a restarted
+        node: its stable id is reported in ``moved``)."""
         for node_id in [n for n in self._by_node if n not in connected]:
-            self._by_stable.pop(self._by_node.pop(node_id), None)
+            stable_id = self._by_node.pop(node_id)
+            self._by_stable.pop(stable_id, None)
+            self.moved.add(stable_id)
 
     def refresh(
         self, grid: Grid, *, expected: int, timeout: float, traffic: Traffic | None = None

@@ -11,6 +11,7 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
 from fedcomp.codecs import TensorPolicy
 from fedcomp.flower.joint import JointRound
+from fedcomp.flower.shared_settings import SharedSettings
 from fedcomp.keys import (
     KEY_ACK_ROUND,
     KEY_CODEC,
@@ -61,10 +62,13 @@ class Instructions:
     ) -> None:
         self.codec_json = json.dumps(dict(codec_spec), sort_keys=True)
         self.run_seed = run_seed
-        self.policy_json = (
-            json.dumps(dataclasses.asdict(policy), sort_keys=True) if policy is not None else None
-        )
-        self.task_json = json.dumps(dict(task), sort_keys=True) if task is not None else None
+        values = {KEY_CODEC: self.codec_json}
+        if policy is not None:
+            values[KEY_POLICY] = json.dumps(dataclasses.asdict(policy), sort_keys=True)
+        if task is not None:
+            values[KEY_TASK] = json.dumps(dict(task), sort_keys=True)
+        #: The codec, policy and task JSON: sent until each client holds them.
+        self.shared = SharedSettings(values)
 
     def build(
         self,
@@ -77,8 +81,11 @@ class Instructions:
         ack_round: Callable[[int], int],
         resync: Callable[[int], bool],
         plan: JointRound | None,
+        restores: Callable[[int], bool],
     ) -> dict[int, Message]:
-        """One message per stable id (train configs carry the codec fields)."""
+        """One message per stable id (train configs carry the codec fields; the run
+        settings travel until the client holds them and ``restores`` them on this
+        kind of message)."""
         base = template[0].content
         ((arrays_key, arrays),) = base.array_records.items()
         config_items = list(base.config_records.items())
@@ -90,19 +97,15 @@ class Instructions:
             config[KEY_ROUND] = server_round
             config[KEY_RUN_SEED] = self.run_seed
             config[KEY_EXPECTED_ID] = sid
+            self.shared.fill(config, sid, restores=restores(sid))
             if kind == MessageType.TRAIN:
-                config[KEY_CODEC] = self.codec_json
                 config[KEY_ACK_ROUND] = ack_round(sid)
                 if resync(sid):
                     config[KEY_RESYNC] = 1
-                if self.policy_json is not None:
-                    config[KEY_POLICY] = self.policy_json
                 if plan is not None:
                     config[KEY_JOINT_INDEX] = plan.index[sid]
                     config[KEY_JOINT_CLIENTS] = plan.clients
                     config[KEY_JOINT_TAU] = pack_taus([plan.taus[n] for n in plan.names])
-            if self.task_json is not None:
-                config[KEY_TASK] = self.task_json
             content = RecordDict({arrays_key: arrays, config_key: config})
             messages[sid] = Message(
                 content, dst_node_id=node_of(sid), message_type=kind, group_id=str(server_round)

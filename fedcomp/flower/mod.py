@@ -74,10 +74,13 @@ from fedcomp.flower.replica import (
     replica_header,
     store_replica,
 )
+from fedcomp.flower.shared_settings import restore as restore_settings
 from fedcomp.keys import (
     KEY_ACK_ROUND,
     KEY_CODEC,
+    KEY_DOWNLINK,
     KEY_EXPECTED_ID,
+    KEY_HANDLES,
     KEY_JOINT_CLIENTS,
     KEY_JOINT_INDEX,
     KEY_JOINT_TAU,
@@ -87,6 +90,7 @@ from fedcomp.keys import (
     KEY_RESYNC,
     KEY_ROUND,
     KEY_RUN_SEED,
+    KEY_SETTINGS,
     KEY_STABLE_ID,
     METRIC_CODEC_BYTES,
     METRIC_ENCODE_S,
@@ -145,6 +149,26 @@ def _joint_plan(
     blocks = [code.num_blocks(int(np.prod(global_record[n].shape))) for n in names]
     taus = unpack_taus(config[KEY_JOINT_TAU], blocks)
     return _JointPlan(index=index, clients=clients, taus=dict(zip(names, taus, strict=True)))
+
+
+def _from_wrapper(msg: Message) -> bool:
+    """True when the instruction carries fields of fedcomp's strategy wrapper."""
+    return any(
+        KEY_SETTINGS in c or KEY_DOWNLINK in c for c in msg.content.config_records.values()
+    )
+
+
+def _held_header(digest: str | None, replica: Replica | None) -> dict[str, Any]:
+    """Reply header fields saying what this client holds: the message kinds this mod
+    handles, the run settings' digest and the downlink replica (when the server uses
+    them)."""
+    if digest is None:
+        return {}
+    return {
+        KEY_HANDLES: f"{MessageType.TRAIN},{MessageType.EVALUATE}",
+        KEY_SETTINGS: digest,
+        **(replica_header(replica) if replica is not None else {}),
+    }
 
 
 def _precondition_error(msg: Message, reason: str) -> Message:
@@ -256,11 +280,18 @@ class CompressionMod:
         kind = msg.metadata.message_type
         if kind not in (MessageType.TRAIN, MessageType.EVALUATE):
             return call_next(msg, ctxt)
+        if kind == MessageType.EVALUATE and not _from_wrapper(msg):
+            return call_next(msg, ctxt)  # not fedcomp's: untouched
+        try:  # the run settings, when the instruction carries only their digest
+            digest = restore_settings(msg.content, ctxt.state)
+        except ValueError as exc:
+            return _precondition_error(msg, f"CompressionMod: {exc}")
         replica = self._take_downlink(msg, ctxt)
         if isinstance(replica, Message):  # the replica cannot be brought up to date
             return replica
+        held = _held_header(digest, replica)
         if kind == MessageType.EVALUATE:
-            return self._evaluate(msg, ctxt, call_next, replica)
+            return self._evaluate(msg, ctxt, call_next, held)
         instruction = self._read_instruction(msg, ctxt)
         if isinstance(instruction, Message):  # a precondition failed: an error reply
             return instruction
@@ -281,7 +312,7 @@ class CompressionMod:
                 KEY_ROUND: instruction.round,
                 KEY_CODEC: json.dumps(instruction.codec.spec(), sort_keys=True),
                 **encoded.header,
-                **(replica_header(replica) if replica is not None else {}),
+                **held,
             }
         )
         content = payload_content(encoded.payloads)
@@ -317,15 +348,13 @@ class CompressionMod:
 
     @staticmethod
     def _evaluate(
-        msg: Message, ctxt: Context, call_next: ClientAppCallable, replica: Replica | None
+        msg: Message, ctxt: Context, call_next: ClientAppCallable, held: dict[str, Any]
     ) -> Message:
-        """Evaluate instructions: the app's handler on the rebuilt model; the reply says
-        which replica was evaluated."""
+        """Evaluate instructions: the app's handler on the restored config and the
+        rebuilt model; the reply header says what this client holds."""
         reply = call_next(msg, ctxt)
-        if replica is not None and not reply.has_error():
-            reply.content[RECORD_HEADER] = ConfigRecord(
-                {KEY_STABLE_ID: stable_id_of(ctxt), **replica_header(replica)}
-            )
+        if KEY_SETTINGS in held and not reply.has_error():
+            reply.content[RECORD_HEADER] = ConfigRecord({KEY_STABLE_ID: stable_id_of(ctxt), **held})
         return reply
 
     def _read_instruction(self, msg: Message, ctxt: Context) -> _Instruction | Message:

@@ -27,7 +27,6 @@ from fedcomp.keys import (
     KEY_DOWNLINK_CHECKSUM,
     KEY_DOWNLINK_STEPS,
     KEY_DOWNLINK_VERSION,
-    KEY_HANDLES,
     KEY_REPLICA_CHECKSUM,
     KEY_REPLICA_VERSION,
     RECORD_DOWNLINK,
@@ -103,8 +102,6 @@ class ReplicaSender:
         version, digest = header[KEY_REPLICA_VERSION], header.get(KEY_REPLICA_CHECKSUM)
         if isinstance(version, int) and not isinstance(version, bool):
             self.server.confirm(client, version, str(digest))
-        if "evaluate" in str(header.get(KEY_HANDLES, "")).split(","):
-            self.server.evaluates.add(client)
 
 
 # --- client half ---------------------------------------------------------------------
@@ -154,12 +151,8 @@ def rebuild_model(msg: Message, replica: Replica) -> Replica:
 
 
 def replica_header(replica: Replica) -> dict[str, int | str]:
-    """Reply header fields: what this client holds, and what its mod handles."""
-    return {
-        KEY_REPLICA_VERSION: replica.version,
-        KEY_REPLICA_CHECKSUM: replica.checksum,
-        KEY_HANDLES: "train,evaluate",
-    }
+    """Reply header fields: the replica this client holds."""
+    return {KEY_REPLICA_VERSION: replica.version, KEY_REPLICA_CHECKSUM: replica.checksum}
 
 
 def load_replica(state: RecordDict, path: Path | None) -> Replica:

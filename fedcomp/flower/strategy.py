@@ -70,9 +70,7 @@ from fedcomp.flower.validation import (
     majority_keys,
 )
 from fedcomp.influence import clip_scales, update_norm, weight_cap
-from fedcomp.keys import (
-    KEY_NUM_EXAMPLES,
-)
+from fedcomp.keys import KEY_HANDLES, KEY_NUM_EXAMPLES, RECORD_HEADER
 from fedcomp.onebit import OneBitCode
 from fedcomp.onebit.federated import JointServerState
 from fedcomp.rules import check_server_options
@@ -212,6 +210,8 @@ class CompressedStrategy(Strategy):
             BroadcastServer(self.downlink, self.policy, run_seed) if self.downlink.active else None
         )
         self.replicas = ReplicaSender(self.broadcast) if self.broadcast is not None else None
+        #: The message kinds each client's mod said it handles (reply headers).
+        self.handles: dict[int, frozenset[str]] = {}
         # Collaborators, chosen once: reply decoding and the hand-over to the inner
         # strategy (per client, plain mean, reduction tree or joint decode).
         self.decoder = ReplyDecoder(
@@ -312,6 +312,12 @@ class CompressedStrategy(Strategy):
             timeout=self.identity_timeout,
             traffic=self._pending_traffic,
         )
+        for sid in sorted(self.ids.moved):  # a restarted node: assume it holds nothing
+            self.instructions.shared.forget(sid)
+            self.handles.pop(sid, None)
+            if self.broadcast is not None:
+                self.broadcast.forget(sid)
+        self.ids.moved.clear()
 
     def _sample(self, server_round: int, fraction: float, purpose: str) -> list[int]:
         return sample(self.ids.stable_ids(), fraction, self.run_seed, purpose, server_round)
@@ -328,6 +334,7 @@ class CompressedStrategy(Strategy):
             ack_round=lambda sid: self.accepted_round.get(sid, -1),
             resync=lambda sid: self.cv is not None and sid in self.cv.resync_requested,
             plan=self._state.joint if self._state is not None else None,
+            restores=lambda sid: kind in self.handles.get(sid, ()),
         )
 
     def _carry_replica(self, msg: Message, sid: int, *, model_free: bool) -> int | None:
@@ -361,12 +368,23 @@ class CompressedStrategy(Strategy):
         if result is not None and "accuracy" in result:
             state.record.replica_accuracy = float(result["accuracy"])
 
-    def _note_replicas(self, replies: list[Message]) -> None:
-        """What each reply says its client's replica holds (fedcomp.flower.replica)."""
-        if self.replicas is None:
-            return
+    def _note_replies(self, replies: list[Message]) -> None:
+        """What each reply's header says its client holds: the message kinds its mod
+        handles, the run settings (fedcomp.flower.shared_settings) and the replica
+        (fedcomp.flower.replica). An error reply makes both unknown."""
         for msg in replies:
-            self.replicas.note_reply(self.ids.stable_of(msg.metadata.src_node_id), msg)
+            sid = self.ids.stable_of(msg.metadata.src_node_id)
+            if sid is None:
+                continue
+            if self.replicas is not None:
+                self.replicas.note_reply(sid, msg)
+            if msg.has_error():
+                self.instructions.shared.forget(sid)
+                continue
+            header = msg.content.config_records.get(RECORD_HEADER)
+            self.instructions.shared.note_reply(sid, header)
+            if header is not None and KEY_HANDLES in header:
+                self.handles[sid] = frozenset(str(header[KEY_HANDLES]).split(","))
 
     # ------------------------------------------------------------------ training
 
@@ -412,7 +430,7 @@ class CompressedStrategy(Strategy):
             raise RuntimeError("aggregate_train called without configure_train for this round")
         t0 = time.perf_counter()
         replies = list(replies)
-        self._note_replicas(replies)
+        self._note_replies(replies)
         decoded = self.decoder.decode_all(replies, state)
         decoded = self.decoder.drop_outliers(decoded, state)
         self.decoder.accept(decoded, state, self.accepted_round)
@@ -464,7 +482,9 @@ class CompressedStrategy(Strategy):
         """Everything a resumed run needs, as plain data (public randomness needs none):
         acknowledgements, mirrors, tree statistics, one-bit state, the inner strategy's
         state through its adapter (fedcomp.flower.inner_state; an unsupported class is
-        refused by name), the round records and the last completed round."""
+        refused by name), the downlink's x_hat, versions and history, the round records
+        and the last completed round. Not what each client holds (a resumed run is a
+        new Flower run, with empty Context.state on every node)."""
         return {
             "accepted_round": dict(self.accepted_round),
             "cv": self.cv.state_dict() if self.cv is not None else None,
@@ -493,6 +513,10 @@ class CompressedStrategy(Strategy):
             self.joint_state.load_state_dict(state["joint"])
         if self.broadcast is not None and state.get("broadcast") is not None:
             self.broadcast.load_state_dict(state["broadcast"])
+            # A resumed run is a new Flower run: every client's Context.state starts
+            # empty, so what the clients held (settings, replicas, the kinds their mod
+            # handles) is learned again; the first instructions carry it all in full.
+            self.broadcast.confirmed.clear()
 
     # ------------------------------------------------------------------ evaluation
 
@@ -507,7 +531,7 @@ class CompressedStrategy(Strategy):
         self._evaluate_sent = set(selected)
         sent = self._messages(template, selected, server_round, MessageType.EVALUATE)
         for sid, msg in sent.items():
-            model_free = self.broadcast is not None and sid in self.broadcast.evaluates
+            model_free = MessageType.EVALUATE in self.handles.get(sid, ())
             fp32 = self._carry_replica(msg, sid, model_free=model_free)
             if self._state is not None and self._state.number == server_round:
                 count(
@@ -533,7 +557,7 @@ class CompressedStrategy(Strategy):
         """
         server_round += self._offset
         replies = list(replies)
-        self._note_replicas(replies)
+        self._note_replies(replies)
         if self._state is not None and self._state.number == server_round:
             for msg in replies:
                 sid = self.ids.stable_of(msg.metadata.src_node_id)
