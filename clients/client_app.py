@@ -77,6 +77,15 @@ def _client_state_dir(msg: Message) -> str | None:
     return json.loads(str(config[KEY_TASK])).get("client_state_dir") or None
 
 
+def _initial_model(msg: Message) -> ArrayRecord:
+    """The run's initial model, built from the task's seed exactly as the ServerApp
+    builds it (downlink.initial=seeded: version 0 of the replica is never sent)."""
+    task = _task(msg)
+    model = build_model(task.model, task.dataset.name, task.seed)
+    with torch.no_grad():
+        return ArrayRecord(model.state_dict())
+
+
 def make_client_app(
     policy: TensorPolicy | None = None, inner_mods: list[Mod] | None = None
 ) -> ClientApp:
@@ -88,7 +97,8 @@ def make_client_app(
     """
     # Fault injection (inactive unless faults.* rates are set): outside the compression
     # mod for crashes, drops and corrupt payloads, inside it for NaN models.
-    app = ClientApp(mods=[FaultMod(), CompressionMod(policy, state_dir=_client_state_dir)])
+    mod = CompressionMod(policy, state_dir=_client_state_dir, initial_model=_initial_model)
+    app = ClientApp(mods=[FaultMod(), mod])
 
     @app.query()
     def query(msg: Message, context: Context) -> Message:

@@ -24,6 +24,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 
 from experiments.run import CONF_DIR, settings_from_cfg
+from fedcomp.failures import RunFailed
 from fedcomp.settings import Settings
 
 
@@ -83,13 +84,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs = preset_settings(args.name, *args.overrides)
     out_dir = args.out_dir or Path(sweep_axes(args.name)[1])
     t0 = time.perf_counter()
+    failed = 0
     for i, settings in enumerate(runs):
         path = out_dir / str(i) / "results.json"
         if args.skip_done and path.exists():
             continue
         settings.results_path = str(path)
         settings.progress = "off"
-        results = run_inprocess(settings)
+        try:
+            results = run_inprocess(settings)
+        except RunFailed as exc:  # its results.json is written; the sweep goes on
+            print(f"[{i + 1}/{len(runs)}] {path}: FAILED: {exc}", flush=True)
+            failed += 1
+            continue
         s = results["summary"]
         print(
             f"[{i + 1}/{len(runs)}] {path}: final accuracy {s['final_accuracy']:.4f}, "
@@ -97,7 +104,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{time.perf_counter() - t0:.0f} s",
             flush=True,
         )
-    return 0
+    if failed:
+        print(f"{failed} of {len(runs)} runs failed (their results.json say how)")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

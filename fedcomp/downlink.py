@@ -36,6 +36,10 @@ from fedcomp.rules import fail
 MEMORIES = ("error_feedback", "none")
 #: Downlink codec names that mean "no replica": the full model in every instruction.
 OFF = "fp32"
+#: ``downlink.initial``: how a client with no replica gets version 0, the initial model:
+#: sent in full, or built by the client itself from the run's seed (its mod was given
+#: an ``initial_model`` function); a client that cannot is sent x_hat in full.
+INITIALS = ("sent", "seeded")
 #: The seed purpose of downlink payloads in the public randomness.
 SEED_PURPOSE = "downlink"
 
@@ -52,6 +56,7 @@ class DownlinkSpec:
 
     codec: dict[str, Any] = field(default_factory=lambda: {"name": OFF})
     memory: str = "error_feedback"
+    initial: str = "sent"
 
     @property
     def active(self) -> bool:
@@ -79,6 +84,9 @@ def parse_downlink(spec: Mapping[str, Any]) -> DownlinkSpec:
     memory = spec.pop("memory", "error_feedback")
     if memory not in MEMORIES:
         fail("downlink.memory", memory, f"allowed: {', '.join(MEMORIES)}")
+    initial = spec.pop("initial", "sent")
+    if initial not in INITIALS:
+        fail("downlink.initial", initial, f"allowed: {', '.join(INITIALS)}")
     name = spec.get("name")
     allowed = [n for n in codec_names() if n != "raw"]
     if name not in allowed:
@@ -94,7 +102,7 @@ def parse_downlink(spec: Mapping[str, Any]) -> DownlinkSpec:
         fail("downlink", spec, str(exc))
     if not isinstance(codec, Codec):
         fail("downlink.name", name, "a stateless codec")
-    return DownlinkSpec(codec=dict(codec.spec()), memory=str(memory))
+    return DownlinkSpec(codec=dict(codec.spec()), memory=str(memory), initial=str(initial))
 
 
 # --- the step, and the one way to apply it ----------------------------------------------
@@ -103,13 +111,16 @@ def parse_downlink(spec: Mapping[str, Any]) -> DownlinkSpec:
 @dataclass(frozen=True)
 class Step:
     """One broadcast step: from version ``source`` to ``target``, one payload per
-    tensor (a ``raw`` payload is the new value, any other the difference)."""
+    tensor (a ``raw`` payload is the new value, any other the difference, applied
+    times its scale: x_hat + scale * decode(payload))."""
 
     source: int
     target: int
     payloads: dict[str, bytes]
     #: Checksum of the replica after this step.
     checksum: str
+    #: Per-tensor scale of the decoded difference (absent: 1).
+    scales: dict[str, float] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -147,11 +158,23 @@ def apply_step(arrays: Mapping[str, np.ndarray], step: Step) -> dict[str, np.nda
         value = decoded.numpy()
         if _is_raw(step.payloads[name]):
             out[name] = value.astype(current.dtype, copy=True)
-        else:
-            out[name] = (current + value.astype(current.dtype, copy=False)).astype(
-                current.dtype, copy=False
-            )
+            continue
+        # float32 arithmetic (float64 for float64 models), the same on both sides.
+        work = np.result_type(current.dtype, np.float32)
+        scale = work.type(step.scales.get(name, 1.0))
+        moved = current.astype(work, copy=False) + scale * value.astype(work, copy=False)
+        out[name] = moved.astype(current.dtype, copy=False)
     return out
+
+
+def contraction_scale(difference: np.ndarray, decoded: np.ndarray) -> float:
+    """The scale a of the decoded difference q that leaves the least error,
+    a = <d, q> / ||q||^2 (clipped at 0): ||d - a q||^2 = ||d||^2 - <d, q>^2 / ||q||^2
+    never exceeds ||d||^2, so error feedback contracts with any codec, including
+    unbiased ones whose noise exceeds the signal (stochastic 1-bit: omega >> 1)."""
+    d, q = difference.astype(np.float64).ravel(), decoded.astype(np.float64).ravel()
+    qq = float(q @ q)
+    return max(float(d @ q) / qq, 0.0) if qq > 0 else 1.0
 
 
 def _is_raw(payload: bytes) -> bool:
@@ -207,6 +230,11 @@ class BroadcastServer:
         self.history: deque[Step] = deque()
         #: The version each client (stable id) confirmed holding; absent: unknown.
         self.confirmed: dict[int, int] = {}
+        #: Clients to send x_hat in full next (an error reply since their last
+        #: confirmation): never the seeded version 0 again.
+        self.full_next: set[int] = set()
+        #: Checksum of version 0, the initial model (what a seeded client checks).
+        self.initial_checksum = ""
 
     def start(self, initial: Mapping[str, np.ndarray]) -> None:
         """Version 0 is the initial model, exactly (a no-op once started)."""
@@ -214,6 +242,7 @@ class BroadcastServer:
             self.x_hat = {k: np.array(v) for k, v in initial.items()}
             self.previous = {k: np.array(v) for k, v in initial.items()}
             self.checksum = checksum(self.x_hat)
+            self.initial_checksum = self.checksum
 
     @property
     def full_nbytes(self) -> int:
@@ -232,9 +261,15 @@ class BroadcastServer:
         payloads = encode_step(
             x_t, differences, self.codec, self.policy, seed_parts=(self.run_seed, self.version + 1)
         )
-        step = Step(self.version, self.version + 1, payloads, "")
+        scales = {}
+        if self.spec.memory == "error_feedback":
+            for name, payload in payloads.items():
+                if not _is_raw(payload):
+                    decoded = decode_bytes(payload).numpy()
+                    scales[name] = contraction_scale(differences[name], decoded)
+        step = Step(self.version, self.version + 1, payloads, "", scales)
         x_hat = apply_step(self.x_hat, step)
-        step = Step(step.source, step.target, payloads, checksum(x_hat))
+        step = Step(step.source, step.target, payloads, checksum(x_hat), scales)
         self.x_hat, self.version, self.checksum = x_hat, step.target, step.checksum
         self.previous = {k: np.array(v) for k, v in x_t.items()}
         self.history.append(step)
@@ -247,6 +282,8 @@ class BroadcastServer:
         None when it must receive x_hat in full (no known replica, history too short,
         or the steps would weigh more than the model)."""
         have = self.confirmed.get(client)
+        if have is None and self.spec.initial == "seeded" and client not in self.full_next:
+            have = 0  # it builds version 0 itself: the steps from there, if cheaper
         if have is None or have > self.version:
             return None
         if have == self.version:
@@ -264,6 +301,7 @@ class BroadcastServer:
         known = {self.version: self.checksum, **{s.target: s.checksum for s in self.history}}
         if known.get(version) == digest:
             self.confirmed[client] = version
+            self.full_next.discard(client)
             return True
         self.confirmed.pop(client, None)
         return False
@@ -271,6 +309,7 @@ class BroadcastServer:
     def forget(self, client: int) -> None:
         """The client's replica is unknown (an error reply): send x_hat in full next."""
         self.confirmed.pop(client, None)
+        self.full_next.add(client)
 
     def drift(self, x_t: Mapping[str, np.ndarray]) -> float:
         """||x_hat - x_t|| / ||x_t|| over the floating-point tensors."""
@@ -292,8 +331,12 @@ class BroadcastServer:
             else {k: v.copy() for k, v in self.previous.items()},
             "version": self.version,
             "checksum": self.checksum,
-            "history": [(s.source, s.target, dict(s.payloads), s.checksum) for s in self.history],
+            "history": [
+                (s.source, s.target, dict(s.payloads), s.checksum, dict(s.scales))
+                for s in self.history
+            ],
             "confirmed": dict(self.confirmed),
+            "initial_checksum": self.initial_checksum,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -301,8 +344,9 @@ class BroadcastServer:
         self.previous = state["previous"]
         self.version = int(state["version"])
         self.checksum = str(state["checksum"])
-        self.history = deque(Step(a, b, dict(p), c) for a, b, p, c in state["history"])
+        self.history = deque(Step(a, b, dict(p), c, dict(f)) for a, b, p, c, f in state["history"])
         self.confirmed = {int(k): int(v) for k, v in state["confirmed"].items()}
+        self.initial_checksum = str(state["initial_checksum"])
 
 
 # --- client half ----------------------------------------------------------------------

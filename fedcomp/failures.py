@@ -84,3 +84,10 @@ class Rejection(ValueError):
 def failure_of(exc: BaseException) -> Failure:
     """The failure kind of an exception raised while checking or decoding a reply."""
     return exc.kind if isinstance(exc, Rejection) else Failure.UNEXPECTED
+
+
+class RunFailed(RuntimeError):
+    """A run that ended but cannot have learned (no reply accepted in any round, or a
+    global model whose central loss is no longer finite). Raised by
+    ``CompressedStrategy.start`` after the last round; the round records are complete,
+    so a caller can write them before reporting the failure."""

@@ -23,6 +23,7 @@ from fedcomp.checkpoint import Checkpoint, check_compatible, load_checkpoint, sa
 from fedcomp.codecs import TensorPolicy
 from fedcomp.data import server_test_set
 from fedcomp.diagnostics import aggregate_error
+from fedcomp.failures import RunFailed
 from fedcomp.flower.records import fmt
 from fedcomp.flower.strategy import CompressedStrategy
 from fedcomp.models import build_model
@@ -173,6 +174,7 @@ def run_server(
         initial = ArrayRecord(model.state_dict())
     if settings.resume:
         initial = _resume(settings, strategy)
+    failed: RunFailed | None = None
     try:
         strategy.start(
             grid=grid,
@@ -181,6 +183,8 @@ def run_server(
             timeout=settings.simulation.round_timeout,
             evaluate_fn=make_evaluate_fn(settings),
         )
+    except RunFailed as exc:  # the rounds are complete: write them, then fail
+        failed = exc
     finally:
         progress.close()
     rounds = strategy.rounds
@@ -205,6 +209,8 @@ def run_server(
     )
     if settings.results_path:
         write_results(settings.results_path, results)
+    if failed is not None:
+        raise failed
     return results
 
 

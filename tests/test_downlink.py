@@ -4,6 +4,7 @@ payloads and a resume; steps are what the definitions say; bad settings are refu
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import numpy as np
@@ -62,11 +63,17 @@ def test_error_feedback_step_is_the_codec_of_what_x_hat_lacks() -> None:
     x0 = {k: v.copy() for k, v in server.x_hat.items()}
     x1 = _model(1)
     step = server.advance(x1)
+    d = x1["w"] - x0["w"]
     # The compressed tensor's payload decodes to a quantization of x1 - x0 ...
-    diff = decode_bytes(step.payloads["w"]).numpy()
-    assert 0 < np.abs(diff - (x1["w"] - x0["w"])).max() < np.abs(x1["w"] - x0["w"]).max() / 4
-    # ... x_hat moved by exactly that, raw tensors became the new values exactly ...
-    assert np.array_equal(server.x_hat["w"], x0["w"] + diff)
+    q = decode_bytes(step.payloads["w"]).numpy()
+    assert 0 < np.abs(q - d).max() < np.abs(d).max() / 4
+    # ... scaled by the least-squares factor <d, q> / ||q||^2, computed here ...
+    scale = float(d.astype(np.float64).ravel() @ q.ravel()) / float(
+        q.astype(np.float64).ravel() @ q.ravel()
+    )
+    assert step.scales["w"] == pytest.approx(scale, rel=1e-12)
+    assert np.array_equal(server.x_hat["w"], x0["w"] + np.float32(step.scales["w"]) * q)
+    # ... raw tensors became the new values exactly, in their dtypes ...
     assert np.array_equal(server.x_hat["b"], x1["b"])
     assert np.array_equal(server.x_hat["count"], x1["count"])
     assert server.x_hat["count"].dtype == np.int64
@@ -75,9 +82,33 @@ def test_error_feedback_step_is_the_codec_of_what_x_hat_lacks() -> None:
     before = np.linalg.norm(server.x_hat["w"] - x1["w"])
     step2 = server.advance(x1)
     assert np.allclose(
-        decode_bytes(step2.payloads["w"]).numpy(), x1["w"] - (x0["w"] + diff), atol=before
+        decode_bytes(step2.payloads["w"]).numpy(),
+        x1["w"] - (x0["w"] + np.float32(scale) * q),
+        atol=before,
     )
     assert np.linalg.norm(server.x_hat["w"] - x1["w"]) < before / 2
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"name": "uniform", "bits": 1, "block": 256},
+        {"name": "sign"},
+        {"name": "topk", "fraction": 0.05},
+    ],
+    ids=["uniform1", "sign", "topk"],
+)
+def test_error_feedback_contracts_even_when_the_codec_noise_exceeds_the_signal(spec) -> None:
+    """Stochastic 1-bit has omega >> 1: added unscaled, error feedback would amplify
+    its noise every step and diverge. Scaled, the error never grows."""
+    server = _server(spec)
+    target = _model(1)
+    errors = [np.linalg.norm(server.x_hat["w"] - target["w"])]
+    for _ in range(30):
+        server.advance(target)
+        errors.append(np.linalg.norm(server.x_hat["w"] - target["w"]))
+    assert all(b <= a * (1 + 1e-6) for a, b in itertools.pairwise(errors))
+    assert errors[-1] < errors[0] / 3
 
 
 def test_memory_none_sends_the_global_update_and_drifts() -> None:
@@ -240,7 +271,18 @@ def test_replicas_stay_bit_identical_through_faults_and_a_resume(tmp_path) -> No
     _assert_in_sync(first.broadcast, grid)
     # A client whose replica was wiped (the node kept its id): its next model-free
     # instruction fails loudly, and it gets the model in full after that.
-    victim = min(s for s in first.handles if s in first.broadcast.confirmed)
+    def sampled(rnd: int) -> set[int]:
+        return set(first._sample(rnd, 0.25, "train-sample")) | set(
+            first._sample(rnd, 0.25, "evaluate-sample")
+        )
+
+    victim = min(  # one that holds version >= 1 and is sampled in rounds 4 and 5 or 6
+        s
+        for s in first.handles
+        if first.broadcast.confirmed.get(s, 0) > 0
+        and s in sampled(4)
+        and s in sampled(5) | sampled(6)
+    )
     node = next(n for n in grid.contexts if grid.partition_of(n) == victim)
     for key in (RECORD_REPLICA, RECORD_REPLICA_META):
         del grid.contexts[node].state[key]
@@ -410,3 +452,24 @@ def test_every_inner_strategy_and_memory_codec_composes_with_the_downlink(
         k: v.dtype for k, v in initial.items()
     }
     assert _assert_in_sync(strategy.broadcast, grid) >= N // 2
+
+
+def test_seeded_initial_model_is_never_sent_and_replicas_stay_exact() -> None:
+    """downlink.initial=seeded: a client with no replica builds version 0 from the run's
+    seed and takes the steps since; no instruction carries the model, and the steps
+    cost a fraction of it."""
+    settings = _settings(downlink={**UNIFORM4, "initial": "seeded"}, num_rounds=6)
+    grid = InProcessGrid(make_client_app(), N)
+    strategy = _strategy(settings)
+    strategy.start(grid, initial_arrays(settings), num_rounds=6)
+    modes = [
+        m.content["config"][KEY_DOWNLINK]
+        for m in grid.sent
+        if m.metadata.message_type in (MessageType.TRAIN, MessageType.EVALUATE)
+    ]
+    assert set(modes) == {DOWNLINK_STEPS}
+    assert not [r for r in grid.replies if r.has_error()]
+    assert _assert_in_sync(strategy.broadcast, grid) >= 2
+    full = strategy.broadcast.full_nbytes
+    train_down = [r["traffic"]["train_instruction"] for r in strategy.rounds]
+    assert all(k["wire_bytes"] < k["messages"] * full / 2 for k in train_down)

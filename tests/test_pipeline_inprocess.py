@@ -454,3 +454,35 @@ def test_flower_client_side_dp_stacks_in_per_client_mode() -> None:
             sum(float((decode_bytes(a.data).double() ** 2).sum()) for a in payloads.values())
         )
         assert norm <= clipping * (1 + 1e-5)  # fp32 keeps the clipping bound
+
+
+def test_a_diverged_global_model_is_recorded_then_fails_the_run(tmp_path, monkeypatch) -> None:
+    """A central loss that stops being finite: the round records it as unavailable, the
+    round line says DIVERGED, results.json is still written, and the run fails."""
+    import strategies.server_app as server_app
+    from fedcomp.failures import RunFailed
+    from fedcomp.results import load_results
+
+    real = server_app.make_evaluate_fn
+
+    def diverging(settings):
+        evaluate = real(settings)
+
+        def fn(server_round, arrays):
+            metrics = evaluate(server_round, arrays)
+            if server_round >= 2:
+                metrics["loss"] = float("nan")
+            return metrics
+
+        return fn
+
+    monkeypatch.setattr(server_app, "make_evaluate_fn", diverging)
+    settings = settings_from_dict(
+        {"num_clients": N, "num_rounds": 3, "results_path": str(tmp_path / "results.json")}
+    )
+    with pytest.raises(RunFailed, match="diverged: its central loss became non-finite at round 2"):
+        run_server(InProcessGrid(make_client_app(), N), settings)
+    rounds = load_results(tmp_path / "results.json")["rounds"]
+    assert [r["loss"] is None for r in rounds] == [False, True, True]
+    assert [r.get("nonfinite_metrics") for r in rounds] == [None, ["loss"], ["loss"]]
+    assert all(r["accuracy"] is not None for r in rounds)

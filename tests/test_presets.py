@@ -54,7 +54,7 @@ def test_presets_name_the_experiments_and_validate() -> None:
         "residual_femnist_smoke": 3,
         "residual_cifar10_smoke": 3,
         "trees_femnist_smoke": 2 * 4,
-        "bidirectional_digits": 2 * 2 * 11 * 3,
+        "bidirectional_digits": 2 * 3 * 12 * 3,
         "bidirectional_digits_smoke": 2 * 2,
     }
     swept: dict[str, list[Settings]] = {}

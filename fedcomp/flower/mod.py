@@ -260,6 +260,11 @@ class CompressionMod:
         read when ``Context.state`` has none: the memory survives a device restart (or
         a resumed simulation) instead of being resynced. A callable gets the instruction
         and returns the directory (or None).
+    initial_model : callable, optional
+        Builds the run's initial model (the ArrayRecord the server started from) from
+        the instruction, e.g. from the seed in the app's run config: with the server's
+        ``downlink.initial="seeded"`` a client with no replica then receives only the
+        downlink steps since round 1, not the model (a checksum verifies the result).
     """
 
     def __init__(
@@ -269,9 +274,11 @@ class CompressionMod:
         measure_fp32_reference: bool = True,
         measure_error: bool = True,
         state_dir: str | Callable[[Message], str | None] | None = None,
+        initial_model: Callable[[Message], ArrayRecord] | None = None,
     ) -> None:
         self.policy = policy or TensorPolicy()
         self.state_dir = state_dir
+        self.initial_model = initial_model
         self.measure_fp32_reference = measure_fp32_reference
         self.measure_error = measure_error
         self._fp32 = make_codec("fp32")
@@ -334,7 +341,14 @@ class CompressionMod:
             return None
         try:
             path = self._replica_path(msg, ctxt)
-            replica = rebuild_model(msg, load_replica(ctxt.state, path))
+            initial = None
+            if self.initial_model is not None:
+                initial_model = self.initial_model
+
+                def initial() -> dict[str, np.ndarray]:
+                    return {k: np.asarray(v.numpy()) for k, v in initial_model(msg).items()}
+
+            replica = rebuild_model(msg, load_replica(ctxt.state, path), initial)
             store_replica(ctxt.state, replica, path)
         except (ReplicaError, ValueError, KeyError, TypeError) as exc:
             return _precondition_error(msg, f"CompressionMod: downlink replica: {exc}")

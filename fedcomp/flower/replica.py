@@ -13,12 +13,13 @@ into the message under the strategy's arrays key before the app's handler sees i
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 
-from fedcomp.downlink import BroadcastServer, Replica, ReplicaError, Step
+from fedcomp.downlink import BroadcastServer, Replica, ReplicaError, Step, checksum
 from fedcomp.keys import (
     DOWNLINK_FULL,
     DOWNLINK_STEPS,
@@ -78,7 +79,7 @@ class ReplicaSender:
                 {f"{s.target}/{n}": _packed(p) for s in steps for n, p in s.payloads.items()}
             )
             config[KEY_DOWNLINK_STEPS] = json.dumps(
-                [[s.source, s.target, s.checksum] for s in steps]
+                [[s.source, s.target, s.checksum, s.scales] for s in steps]
             )
             config[KEY_DOWNLINK_ARRAYS] = arrays_key
             mode = DOWNLINK_STEPS
@@ -112,7 +113,11 @@ def downlink_config(content: RecordDict) -> ConfigRecord | None:
     return next((c for c in content.config_records.values() if KEY_DOWNLINK in c), None)
 
 
-def rebuild_model(msg: Message, replica: Replica) -> Replica:
+def rebuild_model(
+    msg: Message,
+    replica: Replica,
+    initial: Callable[[], Mapping[str, np.ndarray]] | None = None,
+) -> Replica:
     """Apply what the instruction carries to the replica and put the model back into
     ``msg`` (in place, so the reply still answers this message); return the new replica.
 
@@ -120,6 +125,9 @@ def rebuild_model(msg: Message, replica: Replica) -> Replica:
     ------
     ReplicaError
         Anything that keeps the replica from equalling the server's x_hat.
+
+    ``initial`` builds version 0, the initial model, on a client with no replica
+    (``downlink.initial=seeded``); the checksum after the steps checks it.
     """
     config = downlink_config(msg.content)
     if config is None:
@@ -137,10 +145,15 @@ def rebuild_model(msg: Message, replica: Replica) -> Replica:
     if record is None:
         raise ReplicaError(f"a '{DOWNLINK_STEPS}' instruction without '{RECORD_DOWNLINK}'")
     steps = []
-    for source, target, step_digest in json.loads(str(config[KEY_DOWNLINK_STEPS])):
+    for source, target, step_digest, scales in json.loads(str(config[KEY_DOWNLINK_STEPS])):
         prefix = f"{int(target)}/"
         payloads = {k[len(prefix) :]: record[k].data for k in record if k.startswith(prefix)}
-        steps.append(Step(int(source), int(target), payloads, str(step_digest)))
+        scales = {str(k): float(v) for k, v in dict(scales).items()}
+        steps.append(Step(int(source), int(target), payloads, str(step_digest), scales))
+    from_zero = steps[0].source == 0 if steps else version == 0
+    if replica.arrays is None and initial is not None and from_zero:  # version 0, built here
+        arrays = {k: np.asarray(v) for k, v in initial().items()}
+        replica = Replica(arrays, 0, checksum(arrays))  # the final checksum vouches
     new = replica.take_steps(steps, version, digest)
     content = RecordDict({k: v for k, v in msg.content.items() if k != RECORD_DOWNLINK})
     content[str(config[KEY_DOWNLINK_ARRAYS])] = ArrayRecord(

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
@@ -53,7 +54,7 @@ from fedcomp.codecs import (
 )
 from fedcomp.controlvariates import ControlVariateServer, MirrorStore
 from fedcomp.downlink import BroadcastServer, DownlinkSpec, parse_downlink
-from fedcomp.failures import Failure
+from fedcomp.failures import Failure, RunFailed
 from fedcomp.flower.accounting import count, record_bytes, wire_bytes
 from fedcomp.flower.decoding import ReplyDecoder
 from fedcomp.flower.handoff import make_handoff
@@ -300,6 +301,7 @@ class CompressedStrategy(Strategy):
             evaluate_and_close,
         )
         _fail_if_nothing_learned(self.rounds[self._offset :])
+        _fail_if_diverged(self.rounds[self._offset :])
         return result
 
     # ------------------------------------------------------------------ instructions
@@ -531,7 +533,11 @@ class CompressedStrategy(Strategy):
         self._evaluate_sent = set(selected)
         sent = self._messages(template, selected, server_round, MessageType.EVALUATE)
         for sid, msg in sent.items():
-            model_free = MessageType.EVALUATE in self.handles.get(sid, ())
+            # Model-free to mods that declared they rebuild evaluate instructions; with
+            # a seeded initial model the server already counts on the clients' mods, so
+            # also to clients it has not heard from yet.
+            seeded = self.downlink.initial == "seeded" and sid not in self.handles
+            model_free = seeded or MessageType.EVALUATE in self.handles.get(sid, ())
             fp32 = self._carry_replica(msg, sid, model_free=model_free)
             if self._state is not None and self._state.number == server_round:
                 count(
@@ -619,6 +625,13 @@ class CompressedStrategy(Strategy):
 
     def _close_round(self, server_round: int, central: MetricRecord | None) -> None:
         central_dict = dict(central) if central is not None else {}
+        nonfinite = sorted(
+            k
+            for k, v in central_dict.items()
+            if isinstance(v, float) and not math.isfinite(v)
+        )
+        for key in nonfinite:  # recorded as unavailable, and the run fails at its end
+            central_dict[key] = None
         if server_round == 0:
             self.initial_evaluation = central_dict
             if central_dict:
@@ -643,15 +656,31 @@ class CompressedStrategy(Strategy):
             cv=self.cv,
             traffic=state.traffic,
         )
+        if nonfinite:
+            record["nonfinite_metrics"] = nonfinite
         self.rounds.append(record)
         self._state = None
         line = log_line(record, self._num_rounds)
-        if record["replied"] == 0:
+        if nonfinite:
+            log.error("%s | DIVERGED: central %s not finite", line, ", ".join(nonfinite))
+        elif record["replied"] == 0:
             log.warning("%s | NO REPLY ACCEPTED: the model did not change", line)
         else:
             log.info(line)
         if self.on_round is not None:
             self.on_round(record)
+
+
+def _fail_if_diverged(rounds: list[dict[str, Any]]) -> None:
+    """A global model whose central loss or accuracy stopped being finite diverged:
+    the rounds after it cannot have learned anything."""
+    bad = next((r for r in rounds if r.get("nonfinite_metrics")), None)
+    if bad is not None:
+        raise RunFailed(
+            f"the global model diverged: its central {', '.join(bad['nonfinite_metrics'])} "
+            f"became non-finite at round {bad['round']}. Lower the learning rate or the "
+            "compression (codec, downlink), or cap influence (aggregation.norm_cap)."
+        )
 
 
 def _fail_if_nothing_learned(rounds: list[dict[str, Any]]) -> None:
@@ -664,7 +693,7 @@ def _fail_if_nothing_learned(rounds: list[dict[str, Any]]) -> None:
         rejected.update(record.get("rejected", {}))
         rejected.update({k: v for k, v in record["faults"].items() if k != "rejected_reply"})
     reasons = ", ".join(f"{k} {v}" for k, v in rejected.most_common()) or "no replies at all"
-    raise RuntimeError(
+    raise RunFailed(
         f"no reply was accepted in any of the {len(rounds)} round(s): the model never "
         f"changed. Failures by kind: {reasons}. Check that the ClientApp has "
         "fedcomp.flower.CompressionMod and the logs' rejected replies."
