@@ -96,11 +96,9 @@ def real_updates(clients: int) -> torch.Tensor:
 
     def one_round(arrays):
         strategy = CompressedStrategy(
-            make_inner_strategy({"name": "fedavg"}, clients),
+            make_inner_strategy({"name": "fedavg"}, clients, fraction_evaluate=0.0),
             codec={"name": "fp32"},
             run_seed=0,
-            expected_nodes=clients,
-            fraction_evaluate=0.0,
             task=client_task(settings),
         )
         return strategy.start(grid, arrays, num_rounds=1).arrays

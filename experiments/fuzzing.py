@@ -42,7 +42,6 @@ def mutate(buf: bytes, op: tuple) -> bytes:
     return bytes(out)
 
 
-
 def random_ops(rng: np.random.Generator) -> list[tuple]:
     """One to three mutations drawn with ``rng`` (the benchmark's non-hypothesis fuzz)."""
     ops = []

@@ -204,11 +204,9 @@ def run_round(
         tamper=tamper or (lambda pid, r, i: hostile(pid, r, i) if _round_of(i) == rounds else r),
     )
     strategy = CompressedStrategy(
-        make_inner_strategy({"name": "fedavg"}, N),
+        make_inner_strategy({"name": "fedavg"}, N, fraction_evaluate=fraction_evaluate),
         codec=codec,
         run_seed=settings.seed,
-        expected_nodes=N,
-        fraction_evaluate=fraction_evaluate,
         handoff=handoff,
         task=client_task(settings),
         identity_timeout=5,
@@ -269,8 +267,6 @@ def residual_liars(pid, reply, instruction):
     if pid == 12:
         return _header(reply, instruction, **{KEY_RESYNC: 5})
     return huge_values(pid, reply, instruction)
-
-
 
 
 def _metrics(reply: Message, instruction: Message, change) -> Message:

@@ -18,6 +18,7 @@ Every results.json is read through fedcomp's schema validator.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -172,6 +173,16 @@ def group_runs(runs: Sequence[dict[str, Any]]) -> tuple[list[str], dict[tuple, l
     return keys, dict(ordered)
 
 
+#: Setting groups that define a method (the rest define the setting it runs in).
+_METHOD_PREFIXES = ("codec.", "downlink.")
+
+
+def _is_fedavg(run: dict[str, Any]) -> bool:
+    """fp32 both ways: the reference every method's target and ratio refer to."""
+    downlink = run["config"].get("downlink", {"name": "fp32"})
+    return run["config"]["codec"]["name"] == "fp32" and downlink.get("name") == "fp32"
+
+
 def targets_by_setting(
     runs: Sequence[dict[str, Any]],
     setting_keys: Sequence[str],
@@ -184,7 +195,7 @@ def targets_by_setting(
         return {_group_key(run, setting_keys): target for run in runs}
     finals: dict[tuple, list[float]] = {}
     for run in runs:
-        if run["config"]["codec"]["name"] == "fp32":
+        if _is_fedavg(run):
             finals.setdefault(_group_key(run, setting_keys), []).append(
                 run["summary"]["final_accuracy"]
             )
@@ -256,8 +267,8 @@ def paired_report(
     the same setting minus ``tolerance``.
     """
     keys, groups = group_runs(runs)
-    method_keys = [k for k in keys if k.startswith("codec.")]
-    setting_keys = [k for k in keys if not k.startswith("codec.")]
+    method_keys = [k for k in keys if k.startswith(_METHOD_PREFIXES)]
+    setting_keys = [k for k in keys if not k.startswith(_METHOD_PREFIXES)]
     targets = targets_by_setting(runs, setting_keys, tolerance, target)
     target_text = f"{target:g}" if target is not None else f"FedAvg - {tolerance:g}"
     lines = [
@@ -294,6 +305,7 @@ def paired_report(
             f"| {_ratio(row['ratio_wire'])} | {row['wall_s']:.1f} |{extra}"
         )
     lines += ["", _paired_differences(runs, setting_keys, method_keys)]
+    lines += ["", _paired_downlink_differences(runs, setting_keys, targets)]
     return "\n".join(lines) + "\n"
 
 
@@ -338,6 +350,57 @@ def _paired_differences(
         ci = f" +- {half:.4f}" if half is not None else ""
         cells = [str(bits), *(_cell(v) for v in setting), str(len(diffs))]
         lines.append(f"| {' | '.join(cells)} | {np.mean(diffs):+.4f}{ci} |")
+    return "\n".join(lines)
+
+
+def _paired_downlink_differences(
+    runs: Sequence[dict[str, Any]], setting_keys: Sequence[str], targets: dict[tuple, float]
+) -> str:
+    """Downlink with server error feedback minus the same downlink codec without server
+    memory (same uplink, seed and settings): final accuracy and total MB to target."""
+    index = {}
+    for run in runs:
+        downlink = dict(run["config"].get("downlink", {"name": "fp32"}))
+        memory = downlink.pop("memory", "error_feedback")
+        if downlink.get("name") == "fp32":
+            continue
+        codec = json.dumps(run["config"]["codec"], sort_keys=True)
+        key = (json.dumps(downlink, sort_keys=True), codec, _group_key(run, setting_keys))
+        index[(memory, key, run["config"]["seed"])] = run
+    by_group: dict[tuple, list[tuple[float, float | None]]] = {}
+    for (memory, key, seed), run in index.items():
+        direct = index.get(("none", key, seed))
+        if memory != "error_feedback" or direct is None:
+            continue
+        target = targets.get(key[2])
+        spent = [
+            bytes_to_reach(r, target, "total_wire_bytes") if target is not None else None
+            for r in (run, direct)
+        ]
+        mb = (spent[0] - spent[1]) / 1e6 if None not in spent else None
+        by_group.setdefault(key, []).append(
+            (run["summary"]["final_accuracy"] - direct["summary"]["final_accuracy"], mb)
+        )
+    if not by_group:
+        return ""
+    same = ", ".join(setting_keys) or "settings"
+    lines = [
+        f"Paired downlink error feedback - direct (same downlink codec, uplink, seed, {same}):",
+        "",
+        "| downlink | uplink | "
+        + " | ".join(setting_keys)
+        + (" | " if setting_keys else "")
+        + "pairs | final accuracy difference (95% CI) | total MB to target difference |",
+        "|---|---|" + "---|" * (len(setting_keys) + 3),
+    ]
+    for (downlink, codec, setting), diffs in sorted(by_group.items(), key=lambda kv: str(kv[0])):
+        acc = [a for a, _ in diffs]
+        mbs = [m for _, m in diffs if m is not None]
+        half = t_half_width(acc)
+        ci = f" +- {half:.4f}" if half is not None else ""
+        mb = f"{np.mean(mbs):+.2f} ({len(mbs)} pairs reaching)" if mbs else "n/a"
+        cells = [downlink, codec, *(_cell(v) for v in setting), str(len(diffs))]
+        lines.append(f"| {' | '.join(cells)} | {np.mean(acc):+.4f}{ci} | {mb} |")
     return "\n".join(lines)
 
 

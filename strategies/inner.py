@@ -39,11 +39,18 @@ _MANAGED = {
 }
 
 
-def make_inner_strategy(spec: Mapping[str, Any], num_nodes: int) -> Strategy:
+def make_inner_strategy(
+    spec: Mapping[str, Any],
+    num_nodes: int,
+    *,
+    fraction_train: float = 1.0,
+    fraction_evaluate: float = 1.0,
+) -> Strategy:
     """Build a Flower strategy from a spec; unknown names or parameters fail fast.
 
-    The inner strategy is told to use every node (the wrapper samples), and to wait
-    for ``num_nodes`` of them.
+    The sampling settings go to the inner strategy, the one place the wrapper reads
+    them from: the fractions, at least one node per round, and ``num_nodes`` to wait
+    for before the first round.
     """
     if "name" not in spec:
         raise ValueError(f"strategy spec needs a 'name', got {dict(spec)!r}")
@@ -65,10 +72,10 @@ def make_inner_strategy(spec: Mapping[str, Any], num_nodes: int) -> Strategy:
             f"allowed: {', '.join(allowed)} (sampling is set by fraction_train/fraction_evaluate)"
         )
     return cls(
-        fraction_train=1.0,
-        fraction_evaluate=1.0,
-        min_train_nodes=num_nodes,
-        min_evaluate_nodes=num_nodes,
+        fraction_train=fraction_train,
+        fraction_evaluate=fraction_evaluate,
+        min_train_nodes=1,
+        min_evaluate_nodes=1,
         min_available_nodes=num_nodes,
         **params,
     )

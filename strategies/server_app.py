@@ -118,8 +118,7 @@ def _resume(settings: Settings, strategy: CompressedStrategy) -> ArrayRecord:
             f"num_rounds={settings.num_rounds}; raise num_rounds to continue it"
         )
     strategy.load_state_dict(ckpt.strategy)  # the inner strategy's state included
-    log.info("resuming %s after round %d of %d", settings.resume, ckpt.round,
-             settings.num_rounds)
+    log.info("resuming %s after round %d of %d", settings.resume, ckpt.round, settings.num_rounds)
     return ArrayRecord({k: Array(v) for k, v in ckpt.arrays.items()})
 
 
@@ -128,13 +127,15 @@ def build_strategy(
 ) -> CompressedStrategy:
     """The ServerApp's strategy for these settings (the inner Flower strategy wrapped)."""
     return CompressedStrategy(
-        make_inner_strategy(settings.strategy, settings.num_clients),
+        make_inner_strategy(
+            settings.strategy,
+            settings.num_clients,
+            fraction_train=settings.fraction_train,
+            fraction_evaluate=settings.fraction_evaluate,
+        ),
         codec=settings.codec,
         downlink=settings.downlink,
         run_seed=settings.seed,
-        expected_nodes=settings.num_clients,
-        fraction_train=settings.fraction_train,
-        fraction_evaluate=settings.fraction_evaluate,
         handoff=settings.aggregation.handoff,
         task=client_task(settings),
         policy=TensorPolicy(min_numel=settings.policy.min_numel),

@@ -364,9 +364,11 @@ def test_bf16_rounds_to_nearest_even_not_truncation() -> None:
 @pytest.mark.parametrize("block", [1, 7, 256, 5000])
 def test_sign_sends_each_blocks_mean_magnitude(block: int) -> None:
     x = _varied().numpy()
-    y = make_codec("sign", block=block).decode(
-        make_codec("sign", block=block).encode(torch.from_numpy(x), seed=0)
-    ).numpy()
+    y = (
+        make_codec("sign", block=block)
+        .decode(make_codec("sign", block=block).encode(torch.from_numpy(x), seed=0))
+        .numpy()
+    )
     for start in range(0, x.size, block):
         part = x[start : start + block]
         scale = np.float32(np.abs(part).sum(dtype=np.float32) / np.float32(part.size))

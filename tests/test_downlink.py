@@ -220,13 +220,15 @@ def _replicas(grid: InProcessGrid) -> dict[int, Replica]:
 
 def _strategy(settings, rounds: int = 10) -> CompressedStrategy:
     return CompressedStrategy(
-        make_inner_strategy({"name": "fedavg"}, settings.num_clients),
+        make_inner_strategy(
+            {"name": "fedavg"},
+            settings.num_clients,
+            fraction_train=settings.fraction_train,
+            fraction_evaluate=settings.fraction_evaluate,
+        ),
         codec=settings.codec,
         downlink=settings.downlink,
         run_seed=settings.seed,
-        expected_nodes=settings.num_clients,
-        fraction_train=settings.fraction_train,
-        fraction_evaluate=settings.fraction_evaluate,
         task=client_task(settings),
         identity_timeout=5,
     )
@@ -269,6 +271,7 @@ def test_replicas_stay_bit_identical_through_faults_and_a_resume(tmp_path) -> No
     first = _strategy(settings)
     first.start(grid, initial_arrays(settings), num_rounds=3)
     _assert_in_sync(first.broadcast, grid)
+
     # A client whose replica was wiped (the node kept its id): its next model-free
     # instruction fails loudly, and it gets the model in full after that.
     def sampled(rnd: int) -> set[int]:
@@ -434,13 +437,10 @@ def test_every_inner_strategy_and_memory_codec_composes_with_the_downlink(
     )
     grid = InProcessGrid(make_client_app(), N)
     strategy = CompressedStrategy(
-        make_inner_strategy(settings.strategy, N),
+        make_inner_strategy(settings.strategy, N, fraction_train=0.5, fraction_evaluate=0.5),
         codec=settings.codec,
         downlink=settings.downlink,
         run_seed=settings.seed,
-        expected_nodes=N,
-        fraction_train=0.5,
-        fraction_evaluate=0.5,
         task=client_task(settings),
         identity_timeout=5,
     )

@@ -96,11 +96,9 @@ def test_a_lost_reply_desynchronizes_nothing() -> None:
         snapshots.append({p: load_memory(grid.contexts[n].state) for p, n in node_of.items()})
 
     strategy = CompressedStrategy(
-        make_inner_strategy({"name": "fedavg"}, N),
+        make_inner_strategy({"name": "fedavg"}, N, fraction_evaluate=0.0),
         codec=settings.codec,
         run_seed=0,
-        expected_nodes=N,
-        fraction_evaluate=0.0,
         task=client_task(settings),
         on_round=snapshot,
     )

@@ -34,11 +34,9 @@ def _setup(codec, faults=None, weight_cap=0.0, inner_mods=None, tamper=None, nor
     )
     grid = InProcessGrid(make_client_app(inner_mods=inner_mods), N, tamper=tamper)
     strategy = CompressedStrategy(
-        make_inner_strategy({"name": "fedavg"}, N),
+        make_inner_strategy({"name": "fedavg"}, N, fraction_evaluate=0.0),
         codec=settings.codec,
         run_seed=settings.seed,
-        expected_nodes=N,
-        fraction_evaluate=0.0,
         task=client_task(settings),
         identity_timeout=5,
         weight_cap=weight_cap,

@@ -52,11 +52,9 @@ def _run(num_rounds=1, tamper=None, spec=SPEC):
     spy = Spy()
     grid = InProcessGrid(make_client_app(inner_mods=[spy]), N, tamper=record)
     strategy = CompressedStrategy(
-        make_inner_strategy({"name": "fedavg"}, N),
+        make_inner_strategy({"name": "fedavg"}, N, fraction_evaluate=0.0),
         codec=settings.codec,
         run_seed=settings.seed,
-        expected_nodes=N,
-        fraction_evaluate=0.0,
         handoff="pre_aggregated",
         task=client_task(settings),
         identity_timeout=5,
@@ -215,7 +213,6 @@ def test_joint_code_needs_pre_aggregated_handoff():
             make_inner_strategy({"name": "fedavg"}, 2),
             codec=SPEC,
             run_seed=1,
-            expected_nodes=2,
             handoff="per_client",
         )
 

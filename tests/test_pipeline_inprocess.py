@@ -62,12 +62,15 @@ def one_round(
     spy = Spy()
     grid = InProcessGrid(make_client_app(inner_mods=[spy]), settings.num_clients, **grid_kwargs)
     strategy = CompressedStrategy(
-        inner or make_inner_strategy({"name": "fedavg"}, settings.num_clients),
+        inner
+        or make_inner_strategy(
+            {"name": "fedavg"},
+            settings.num_clients,
+            fraction_train=settings.fraction_train,
+            fraction_evaluate=0.0,
+        ),
         codec=settings.codec,
         run_seed=settings.seed,
-        expected_nodes=settings.num_clients,
-        fraction_train=settings.fraction_train,
-        fraction_evaluate=0.0,
         handoff=handoff,
         task=client_task(settings),
         trees=trees,
@@ -295,11 +298,10 @@ def test_pre_aggregated_rejects_strategies_that_are_not_means() -> None:
             FedMedian(),
             codec={"name": "fp32"},
             run_seed=0,
-            expected_nodes=2,
             handoff="pre_aggregated",
         )
     with pytest.raises(ValueError, match="unknown codec"):
-        CompressedStrategy(FedAvg(), codec={"name": "nope"}, run_seed=0, expected_nodes=2)
+        CompressedStrategy(FedAvg(), codec={"name": "nope"}, run_seed=0)
 
 
 def test_fedmedian_per_client_is_the_coordinatewise_median_of_decoded_models() -> None:
@@ -441,8 +443,6 @@ def test_flower_client_side_dp_stacks_in_per_client_mode() -> None:
         inner,
         codec={"name": "fp32"},
         run_seed=0,
-        expected_nodes=N,
-        fraction_evaluate=0.0,
         task=client_task(settings),
         identity_timeout=5,
     )

@@ -32,12 +32,11 @@ def _settings(**extra) -> Settings:
 
 def _strategy(settings: Settings) -> CompressedStrategy:
     return CompressedStrategy(
-        make_inner_strategy({"name": "fedavg"}, N),
+        make_inner_strategy(
+            {"name": "fedavg"}, N, fraction_train=settings.fraction_train, fraction_evaluate=0.0
+        ),
         codec=settings.codec,
         run_seed=settings.seed,
-        expected_nodes=N,
-        fraction_train=settings.fraction_train,
-        fraction_evaluate=0.0,
         task=client_task(settings),
         identity_timeout=5,
     )
@@ -192,12 +191,9 @@ def test_server_optimizers_keep_the_models_dtypes_and_every_reply(inner: str) ->
     settings = _settings(fraction_train=0.5)
     grid = InProcessGrid(make_client_app(), N)
     strategy = CompressedStrategy(
-        make_inner_strategy({"name": inner}, N),
+        make_inner_strategy({"name": inner}, N, fraction_train=0.5, fraction_evaluate=0.0),
         codec=settings.codec,
         run_seed=settings.seed,
-        expected_nodes=N,
-        fraction_train=0.5,
-        fraction_evaluate=0.0,
         task=client_task(settings),
         identity_timeout=5,
     )

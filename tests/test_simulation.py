@@ -49,9 +49,7 @@ def _ray_processes() -> list[str]:
     return [
         r[2]
         for r in rows
-        if len(r) == 3
-        and any(tag in r[2] for tag in tags)
-        and (ours(int(r[0])) or ray_dir in r[2])
+        if len(r) == 3 and any(tag in r[2] for tag in tags) and (ours(int(r[0])) or ray_dir in r[2])
     ]
 
 

@@ -5,8 +5,7 @@ The two lines a Flower app needs::
     from fedcomp.flower import CompressedStrategy, CompressionMod
 
     app = ClientApp(mods=[CompressionMod()])                       # client
-    strategy = CompressedStrategy(FedAvg(), codec={"name": "uniform", "bits": 4},
-                                  run_seed=0, expected_nodes=10)   # server
+    strategy = CompressedStrategy(FedAvg(), codec={"name": "uniform", "bits": 4})  # server
 
 This subpackage is the only part of fedcomp that imports flwr; the algorithm core
 (codecs, one-bit code, control variates, trees) below it does not.

@@ -172,8 +172,7 @@ class ReplyDecoder:
         for item, norm, out in zip(decoded, norms, beyond, strict=True):
             if out:
                 exc = ReplyError(
-                    f"update norm {norm:.3g} is beyond {self.reject_factor:g} x the round's "
-                    "median",
+                    f"update norm {norm:.3g} is beyond {self.reject_factor:g} x the round's median",
                     Failure.OUTLIER,
                 )
                 reject(state, item.stable_id, exc)

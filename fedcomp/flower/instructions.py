@@ -32,12 +32,19 @@ from fedcomp.rng import numpy_generator
 
 
 def sample(
-    stable_ids: list[int], fraction: float, run_seed: int, purpose: str, server_round: int
+    stable_ids: list[int],
+    fraction: float,
+    run_seed: int,
+    purpose: str,
+    server_round: int,
+    *,
+    minimum: int = 1,
 ) -> list[int]:
-    """``fraction`` of the known stable ids, drawn from (run seed, purpose, round)."""
+    """``fraction`` of the known stable ids (at least ``minimum``, Flower's count:
+    ``max(int(fraction * n), minimum)``), drawn from (run seed, purpose, round)."""
     if not stable_ids or fraction <= 0:
         return []
-    k = min(len(stable_ids), max(1, round(fraction * len(stable_ids))))
+    k = min(len(stable_ids), max(1, minimum, int(fraction * len(stable_ids))))
     if k == len(stable_ids):
         return stable_ids
     rng = numpy_generator(run_seed, purpose, server_round)

@@ -153,9 +153,7 @@ def _joint_plan(
 
 def _from_wrapper(msg: Message) -> bool:
     """True when the instruction carries fields of fedcomp's strategy wrapper."""
-    return any(
-        KEY_SETTINGS in c or KEY_DOWNLINK in c for c in msg.content.config_records.values()
-    )
+    return any(KEY_SETTINGS in c or KEY_DOWNLINK in c for c in msg.content.config_records.values())
 
 
 def _held_header(digest: str | None, replica: Replica | None) -> dict[str, Any]:

@@ -2,13 +2,13 @@
 
 Pair it with ``fedcomp.flower.mod.CompressionMod`` on the ClientApp::
 
-    strategy = CompressedStrategy(FedAvg(), codec={"name": "fp32"}, run_seed=0,
-                                  expected_nodes=10)
+    strategy = CompressedStrategy(FedAvg(fraction_evaluate=0.5), codec={"name": "fp32"})
     strategy.start(grid=grid, initial_arrays=arrays, num_rounds=10)
 
 Per round it (1) samples clients itself with a generator seeded from the run seed,
-over STABLE ids learned at first contact, and sends each one its own config (the
-codec spec, the round, the run seed); (2) validates every reply (a bad one is a
+over STABLE ids learned at first contact, with the inner strategy's own fractions and
+minimum node counts, and sends each one its own config (the codec spec, the round,
+the run seed); (2) validates every reply (a bad one is a
 logged failure, never a crash), decodes it, and hands the inner strategy either one
 dense reply per client, sorted by stable id (``handoff="per_client"``), or one
 synthetic reply with the float32 weighted mean summed in stable-id order
@@ -30,6 +30,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -80,6 +81,32 @@ from fedcomp.trees.aggregate import TreeConfig, TreeStats
 
 log = logging.getLogger(__name__)
 
+#: The run seed when none is given (logged in the summary): public randomness must be
+#: reproducible, so never Flower's random run id.
+DEFAULT_RUN_SEED = 0
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Flower's sampling settings, as the inner strategy holds them."""
+
+    fraction_train: float = 1.0
+    fraction_evaluate: float = 1.0
+    min_train_nodes: int = 2
+    min_evaluate_nodes: int = 2
+    min_available_nodes: int = 2
+
+    @classmethod
+    def of(cls, strategy: Strategy) -> Sampling:
+        """Read them from the strategy, or the strategy it wraps (Flower's DP
+        wrappers), else Flower's defaults."""
+        source: Any = strategy
+        while source is not None and not hasattr(source, "fraction_train"):
+            source = getattr(source, "strategy", None)
+        if source is None:
+            return cls()
+        return cls(**{f.name: getattr(source, f.name) for f in fields(cls)})
+
 
 class CompressedStrategy(Strategy):
     """Decode compressed client updates and delegate aggregation to a Flower strategy.
@@ -90,12 +117,12 @@ class CompressedStrategy(Strategy):
         The inner Flower strategy (FedAvg, FedAdam, FedMedian, ...).
     codec : Mapping
         Codec spec sent to the clients, e.g. ``{"name": "fp32"}`` (checked here).
-    run_seed : int
-        Seed of all public randomness (client sampling, codec draws).
-    expected_nodes : int
-        Nodes to wait for before the first round (and to learn stable ids of).
-    fraction_train, fraction_evaluate : float
-        Fractions of known clients sampled per round (seeded, over stable ids).
+    run_seed : int (default: 0, logged)
+        Seed of all public randomness (client sampling, codec draws). Never Flower's
+        random run id. Sampling fractions and node counts are the inner strategy's
+        (``fraction_train``, ``fraction_evaluate``, ``min_train_nodes``,
+        ``min_evaluate_nodes``, ``min_available_nodes``: the wrapper waits for that
+        many nodes, then samples over all connected ones, seeded, by stable id).
     handoff : {"per_client", "pre_aggregated"}
         How decoded updates reach the inner strategy (see module docstring).
     task : Mapping, optional
@@ -109,7 +136,7 @@ class CompressedStrategy(Strategy):
         Pre-aggregated mode: reduce through variance-aware trees, possibly in bf16/fp16
         (default: a float32 running sum in stable-id order).
     identity_timeout : float
-        Seconds to wait for ``expected_nodes`` nodes to connect.
+        Seconds to wait for the inner strategy's ``min_available_nodes`` nodes.
     on_round : callable, optional
         Called with each finished round's record (the results.json round shape).
     weight_cap : float
@@ -123,6 +150,10 @@ class CompressedStrategy(Strategy):
         Reject any reply whose decoded update has an L2 norm beyond this multiple of
         the round's median norm (0: off; needs three replies). A guard against huge
         finite values from a broken or hostile client, far above honest spreads.
+    downlink : DownlinkSpec or Mapping, optional
+        Downlink compression (fedcomp.downlink; docs/downlink.md), e.g.
+        ``{"name": "uniform", "bits": 4}``; default ``fp32``: the full model in every
+        instruction, as Flower sends it.
     update_probe : callable, optional
         Diagnostics: ``probe(round, global_arrays, new_arrays, stable_ids)`` returns
         numbers recorded as the round's ``diagnostics`` (e.g. the aggregate's error
@@ -134,10 +165,7 @@ class CompressedStrategy(Strategy):
         strategy: Strategy,
         *,
         codec: Mapping[str, Any],
-        run_seed: int,
-        expected_nodes: int,
-        fraction_train: float = 1.0,
-        fraction_evaluate: float = 1.0,
+        run_seed: int = DEFAULT_RUN_SEED,
         handoff: str = "per_client",
         task: Mapping[str, Any] | None = None,
         policy: TensorPolicy | None = None,
@@ -153,8 +181,8 @@ class CompressedStrategy(Strategy):
     ) -> None:
         if not isinstance(strategy, Strategy):
             raise TypeError(f"strategy must be a Flower Strategy, found {type(strategy)}")
-        if expected_nodes <= 0:
-            raise ValueError(f"expected_nodes must be positive, found {expected_nodes!r}")
+        #: Flower's sampling settings, read from the inner strategy (one source).
+        self.sampling = Sampling.of(strategy)
         self.trees = trees or TreeConfig()
         # The same rules, and messages, as the settings check before Ray starts.
         check_server_options(
@@ -162,8 +190,8 @@ class CompressedStrategy(Strategy):
             handoff=handoff,
             strategy_name=type(strategy).__name__.lower(),
             trees=self.trees,
-            fraction_train=fraction_train,
-            fraction_evaluate=fraction_evaluate,
+            fraction_train=self.sampling.fraction_train,
+            fraction_evaluate=self.sampling.fraction_evaluate,
             weight_cap=weight_cap,
             norm_cap=norm_cap,
             reject_factor=reject_factor,
@@ -177,9 +205,6 @@ class CompressedStrategy(Strategy):
         self.joint_state = JointServerState(prior=self.codec.tau_prior) if self.joint else None
         self.strategy = strategy
         self.run_seed = run_seed
-        self.expected_nodes = expected_nodes
-        self.fraction_train = fraction_train
-        self.fraction_evaluate = fraction_evaluate
         self.handoff = handoff
         self.instructions = Instructions(
             self.codec.spec(), run_seed=run_seed, policy=policy, task=task
@@ -248,11 +273,18 @@ class CompressedStrategy(Strategy):
 
     def summary(self) -> None:
         log.info(
-            "CompressedStrategy: codec %s, handoff %s, fractions train %.2f evaluate %.2f",
+            "CompressedStrategy: codec %s, downlink %s, handoff %s, run seed %d, sampling "
+            "(from the inner strategy) train %.2f (min %d) evaluate %.2f (min %d), waiting "
+            "for %d nodes",
             self.instructions.codec_json,
+            json.dumps({**self.downlink.codec, "memory": self.downlink.memory}),
             self.handoff,
-            self.fraction_train,
-            self.fraction_evaluate,
+            self.run_seed,
+            self.sampling.fraction_train,
+            self.sampling.min_train_nodes,
+            self.sampling.fraction_evaluate,
+            self.sampling.min_evaluate_nodes,
+            self.sampling.min_available_nodes,
         )
         self.strategy.summary()
 
@@ -310,7 +342,7 @@ class CompressedStrategy(Strategy):
         """Learn the stable ids of newly connected nodes (counted in the next round)."""
         self.ids.refresh(
             grid,
-            expected=self.expected_nodes,
+            expected=self.sampling.min_available_nodes,
             timeout=self.identity_timeout,
             traffic=self._pending_traffic,
         )
@@ -322,7 +354,13 @@ class CompressedStrategy(Strategy):
         self.ids.moved.clear()
 
     def _sample(self, server_round: int, fraction: float, purpose: str) -> list[int]:
-        return sample(self.ids.stable_ids(), fraction, self.run_seed, purpose, server_round)
+        minimum = (
+            self.sampling.min_train_nodes
+            if purpose == "train-sample"
+            else self.sampling.min_evaluate_nodes
+        )
+        ids = self.ids.stable_ids()
+        return sample(ids, fraction, self.run_seed, purpose, server_round, minimum=minimum)
 
     def _messages(
         self, template: list[Message], stable_ids: list[int], server_round: int, kind: str
@@ -406,7 +444,7 @@ class CompressedStrategy(Strategy):
         template = list(self.strategy.configure_train(server_round, arrays, config, grid))
         if not template:
             return []
-        selected = self._sample(server_round, self.fraction_train, "train-sample")
+        selected = self._sample(server_round, self.sampling.fraction_train, "train-sample")
         if self.joint:
             state.joint = plan_round(
                 self.codec, self.policy, self.joint_state, state.global_arrays, selected
@@ -529,7 +567,7 @@ class CompressedStrategy(Strategy):
         template = list(self.strategy.configure_evaluate(server_round, arrays, config, grid))
         if not template:
             return []
-        selected = self._sample(server_round, self.fraction_evaluate, "evaluate-sample")
+        selected = self._sample(server_round, self.sampling.fraction_evaluate, "evaluate-sample")
         self._evaluate_sent = set(selected)
         sent = self._messages(template, selected, server_round, MessageType.EVALUATE)
         for sid, msg in sent.items():
@@ -626,9 +664,7 @@ class CompressedStrategy(Strategy):
     def _close_round(self, server_round: int, central: MetricRecord | None) -> None:
         central_dict = dict(central) if central is not None else {}
         nonfinite = sorted(
-            k
-            for k, v in central_dict.items()
-            if isinstance(v, float) and not math.isfinite(v)
+            k for k, v in central_dict.items() if isinstance(v, float) and not math.isfinite(v)
         )
         for key in nonfinite:  # recorded as unavailable, and the run fails at its end
             central_dict[key] = None
