@@ -486,3 +486,31 @@ def test_a_diverged_global_model_is_recorded_then_fails_the_run(tmp_path, monkey
     assert [r["loss"] is None for r in rounds] == [False, True, True]
     assert [r.get("nonfinite_metrics") for r in rounds] == [None, ["loss"], ["loss"]]
     assert all(r["accuracy"] is not None for r in rounds)
+
+
+def test_round_lines_reach_the_console_of_an_app_that_configured_no_logging() -> None:
+    """A plain Flower app configures only Flower's logger: fedcomp's round lines and
+    warnings must still be printed, through Flower's own handlers."""
+    import subprocess
+    import sys
+
+    code = (
+        "from experiments.inprocess import InProcessGrid, initial_arrays, set_task_identity\n"
+        "from clients.client_app import make_client_app\n"
+        "from fedcomp.flower import CompressedStrategy\n"
+        "from fedcomp.settings import settings_from_dict\n"
+        "from strategies.inner import make_inner_strategy\n"
+        "from strategies.server_app import client_task\n"
+        "set_task_identity()\n"
+        "s = settings_from_dict({'num_clients': 2, 'num_rounds': 1})\n"
+        "w = CompressedStrategy(make_inner_strategy({'name': 'fedavg'}, 2),\n"
+        "    codec={'name': 'uniform', 'bits': 4}, task=client_task(s))\n"
+        "w.start(InProcessGrid(make_client_app(), 2), initial_arrays(s), num_rounds=1)\n"
+        "assert len(w.rounds) == 1\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
+    lines = out.stdout + out.stderr
+    assert "CompressedStrategy: codec" in lines and "run seed 0" in lines
+    assert "round 1/1 | accuracy n/a" in lines and "total wire" in lines

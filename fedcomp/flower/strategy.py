@@ -311,6 +311,7 @@ class CompressedStrategy(Strategy):
             raise ValueError(f"first_round={first_round} is not in 1..{num_rounds}")
         self._num_rounds = num_rounds
         self._offset = first_round - 1
+        _print_through_flower()
         self._refresh_ids(grid)
 
         def evaluate_and_close(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
@@ -705,6 +706,19 @@ class CompressedStrategy(Strategy):
             log.info(line)
         if self.on_round is not None:
             self.on_round(record)
+
+
+def _print_through_flower() -> None:
+    """A plain Flower app configures only Flower's logger: when nothing would print
+    fedcomp's round lines, print them with Flower's own console handlers (an app
+    that configured logging itself keeps its configuration)."""
+    ours = logging.getLogger("fedcomp")
+    if ours.hasHandlers():
+        return
+    for handler in logging.getLogger("flwr").handlers:
+        ours.addHandler(handler)
+    if ours.level == logging.NOTSET:
+        ours.setLevel(logging.INFO)
 
 
 def _fail_if_diverged(rounds: list[dict[str, Any]]) -> None:
