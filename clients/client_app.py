@@ -23,12 +23,8 @@ from fedcomp.flower.identity import partition_id_of, stable_id_of
 from fedcomp.flower.mod import CompressionMod
 from fedcomp.keys import (
     KEY_NUM_EXAMPLES,
-    KEY_QUERY,
     KEY_ROUND,
-    KEY_STABLE_ID,
     KEY_TASK,
-    QUERY_IDENTITY,
-    RECORD_IDENTITY,
     RECORD_METRICS,
 )
 from fedcomp.models import build_model
@@ -99,14 +95,6 @@ def make_client_app(
     # mod for crashes, drops and corrupt payloads, inside it for NaN models.
     mod = CompressionMod(policy, state_dir=_client_state_dir, initial_model=_initial_model)
     app = ClientApp(mods=[FaultMod(), mod])
-
-    @app.query()
-    def query(msg: Message, context: Context) -> Message:
-        config = next(iter(msg.content.config_records.values()), ConfigRecord())
-        if config.get(KEY_QUERY) != QUERY_IDENTITY:
-            raise ValueError(f"unknown query {config.get(KEY_QUERY)!r}")
-        identity = ConfigRecord({KEY_STABLE_ID: stable_id_of(context)})
-        return Message(RecordDict({RECORD_IDENTITY: identity}), reply_to=msg)
 
     @app.train(mods=[NaNFaultMod(), *(inner_mods or [])])
     def train(msg: Message, context: Context) -> Message:

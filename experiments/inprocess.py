@@ -19,6 +19,7 @@ from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_contents
 from flwr.supercore.task_identity import TaskIdentity
 
+from fedcomp.flower.identity import is_identity_message
 from fedcomp.keys import KEY_NUM_EXAMPLES
 from fedcomp.models import build_model
 from fedcomp.settings import Settings
@@ -121,7 +122,8 @@ class InProcessGrid:
                     Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=repr(exc)),
                     reply_to=msg,
                 )
-            if self.tamper is not None:
+            # Tampering targets round messages, not the first-contact identity exchange.
+            if self.tamper is not None and not is_identity_message(msg):
                 reply = self.tamper(self.partition_of(node_id), reply, msg)
                 if reply is None:
                     continue

@@ -23,6 +23,7 @@ from fedcomp.downlink import (
     checksum,
     parse_downlink,
 )
+from fedcomp.flower.identity import is_identity_message
 from fedcomp.flower.replica import RECORD_REPLICA, RECORD_REPLICA_META
 from fedcomp.flower.strategy import CompressedStrategy
 from fedcomp.keys import (
@@ -208,6 +209,11 @@ def _settings(**overrides):
     )
 
 
+def _rounds(messages: list[Message]) -> list[Message]:
+    """Round messages (not the first-contact identity messages)."""
+    return [m for m in messages if not is_identity_message(m)]
+
+
 def _replicas(grid: InProcessGrid) -> dict[int, Replica]:
     out = {}
     for node, ctx in grid.contexts.items():
@@ -325,7 +331,7 @@ def test_replicas_stay_bit_identical_through_faults_and_a_resume(tmp_path) -> No
     # Clients that missed 3 or more rounds caught up from the steps they lacked.
     behind = [
         len(json.loads(m.content["config"][KEY_DOWNLINK_STEPS]))
-        for m in grid.sent
+        for m in _rounds(grid.sent)
         if m.content.config_records.get("config", {}).get(KEY_DOWNLINK) == DOWNLINK_STEPS
     ]
     assert max(behind) >= 3
@@ -333,7 +339,7 @@ def test_replicas_stay_bit_identical_through_faults_and_a_resume(tmp_path) -> No
     # the model in full after it.
     to_wiped = [
         m.content["config"][KEY_DOWNLINK]
-        for m in grid.sent[sent_before_wipe:]
+        for m in _rounds(grid.sent[sent_before_wipe:])
         if m.metadata.message_type in (MessageType.TRAIN, MessageType.EVALUATE)
         and m.content["config"][KEY_EXPECTED_ID] == victim
     ]
@@ -367,7 +373,7 @@ def test_a_corrupted_step_is_never_trained_on_and_the_client_is_resynced() -> No
                 data[-1] ^= 0x01  # one bit flipped in transit
                 record[name].data = bytes(data)
         replies = send(messages, timeout=timeout)
-        for msg in messages:
+        for msg in _rounds(messages):
             if msg.metadata.message_type == MessageType.TRAIN:
                 trained.append((int(msg.metadata.group_id), msg.content["config"][KEY_EXPECTED_ID]))
         return replies
@@ -382,7 +388,7 @@ def test_a_corrupted_step_is_never_trained_on_and_the_client_is_resynced() -> No
     # The next instruction to the victim carried the model in full, and it is in sync.
     to_victim = [
         m
-        for m in grid.sent
+        for m in _rounds(grid.sent)
         if m.metadata.message_type == MessageType.TRAIN
         and m.content["config"][KEY_EXPECTED_ID] == victim["sid"]
     ]
@@ -395,7 +401,7 @@ def test_the_default_fp32_downlink_sends_the_inner_strategys_model_unchanged() -
     settings = _settings(downlink={"name": "fp32"}, codec={"name": "fp32"}, num_rounds=2)
     grid = InProcessGrid(make_client_app(), N)
     results = run_server(grid, settings)
-    train = [m for m in grid.sent if m.metadata.message_type == MessageType.TRAIN]
+    train = [m for m in _rounds(grid.sent) if m.metadata.message_type == MessageType.TRAIN]
     for msg in train:
         assert KEY_DOWNLINK not in msg.content["config"]
         assert "arrays" in msg.content.array_records
@@ -464,7 +470,7 @@ def test_seeded_initial_model_is_never_sent_and_replicas_stay_exact() -> None:
     strategy.start(grid, initial_arrays(settings), num_rounds=6)
     modes = [
         m.content["config"][KEY_DOWNLINK]
-        for m in grid.sent
+        for m in _rounds(grid.sent)
         if m.metadata.message_type in (MessageType.TRAIN, MessageType.EVALUATE)
     ]
     assert set(modes) == {DOWNLINK_STEPS}

@@ -134,6 +134,7 @@ def test_a_lost_reply_desynchronizes_nothing() -> None:
         for r in grid.replies
         if r.metadata.message_type == MessageType.TRAIN
         and r.has_content()
+        and RECORD_HEADER in r.content  # not the identity replies
         and int(r.content[RECORD_HEADER][KEY_STABLE_ID]) == LOST_CLIENT
     ][-1]
     checked = 0

@@ -45,7 +45,13 @@ SETTINGS = settings_from_dict({"num_clients": N, "num_rounds": 1, "fraction_eval
 
 
 def _train_only(messages: list[Message]) -> list[Message]:
-    return [m for m in messages if m.metadata.message_type == MessageType.TRAIN]
+    """A round's train messages (not the first-contact identity messages, which are
+    train messages without a round)."""
+    return [
+        m
+        for m in messages
+        if m.metadata.message_type == MessageType.TRAIN and m.metadata.group_id.isdigit()
+    ]
 
 
 _initial = initial_arrays
@@ -514,3 +520,26 @@ def test_round_lines_reach_the_console_of_an_app_that_configured_no_logging() ->
     lines = out.stdout + out.stderr
     assert "CompressedStrategy: codec" in lines and "run seed 0" in lines
     assert "round 1/1 | accuracy n/a" in lines and "total wire" in lines
+
+
+def test_a_client_app_without_the_mod_is_named_on_the_first_round() -> None:
+    """A plain Flower ClientApp (a train handler, no query handler, no mod): the
+    identity message reaches its train handler, which fails; the run stops before
+    round 1 with an error that names the missing mod and the handler's own error."""
+    from flwr.clientapp import ClientApp
+
+    from fedcomp.failures import RunFailed
+
+    plain = ClientApp()
+
+    @plain.train()
+    def train(msg, context):
+        arrays = msg.content["arrays"]  # a quickstart handler: the model, or KeyError
+        return Message(RecordDict({"arrays": arrays}), reply_to=msg)
+
+    strategy = CompressedStrategy(
+        make_inner_strategy({"name": "fedavg"}, 2), codec={"name": "fp32"}, identity_timeout=5
+    )
+    with pytest.raises(RunFailed, match=r"CompressionMod\(\)\]\).*First error: .*arrays"):
+        strategy.start(InProcessGrid(plain, 2), _initial(SETTINGS), num_rounds=1)
+    assert strategy.rounds == []

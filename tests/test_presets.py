@@ -332,14 +332,14 @@ def test_bidirectional_digits_smoke_cuts_the_total_with_the_downlink() -> None:
     uplink_only = ratio[("uniform", "fp32")]
     both = ratio[("uniform", "uniform")]
     # Train replies are at most a third of fp32 FedAvg's traffic here, so the uplink
-    # alone stays under 1.5x; both ways beat it, more every round as more clients hold
-    # a replica (round 1 sends everyone the full model).
-    assert 1.0 < uplink_only < 1.5 < both
+    # alone stays under 1.5x; both ways beat it in every round (the clients build the
+    # initial model from the seed: no round sends the full model).
+    assert 1.0 < uplink_only < 1.5 < 2 * uplink_only < both
     per_round = [
         r["fp32_total_wire_bytes"] / r["total_wire_bytes"]
         for r in results[("uniform", "uniform")]["rounds"]
     ]
-    assert per_round == sorted(per_round) and per_round[-1] > 2 * uplink_only
+    assert min(per_round) > 2 * uplink_only
     fp32 = results[("fp32", "fp32")]["summary"]["total_wire_bytes"]
     for key, r in results.items():
         # Each run's fp32 reference is what fp32 FedAvg really sent on the same

@@ -23,9 +23,15 @@ _KIND = {
     (MessageType.TRAIN, True): Kind.TRAIN_REPLY,
     (MessageType.EVALUATE, False): Kind.EVALUATE_INSTRUCTION,
     (MessageType.EVALUATE, True): Kind.EVALUATE_REPLY,
-    (MessageType.QUERY, False): Kind.IDENTITY_QUERY,
-    (MessageType.QUERY, True): Kind.IDENTITY_REPLY,
+    ("identity", False): Kind.IDENTITY_QUERY,
+    ("identity", True): Kind.IDENTITY_REPLY,
 }
+
+
+def _kind(msg, reply: bool) -> Kind:
+    """Identity messages are train messages of their own (no round, no model)."""
+    first_contact = not msg.metadata.group_id.isdigit()
+    return _KIND[("identity" if first_contact else msg.metadata.message_type, reply)]
 
 
 def _measured(grid: InProcessGrid) -> dict[int, dict[str, list[int]]]:
@@ -39,7 +45,7 @@ def _measured(grid: InProcessGrid) -> dict[int, dict[str, list[int]]]:
         (True, grid.replies, grid.received_bytes),
     ):
         for msg, size in zip(messages, sizes, strict=True):
-            kind = _KIND[(msg.metadata.message_type, replies)]
+            kind = _kind(msg, replies)
             group = msg.metadata.group_id
             out[int(group) if group.isdigit() else 1][str(kind)].append(size)
     return out

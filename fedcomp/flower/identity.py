@@ -13,15 +13,20 @@ from __future__ import annotations
 import logging
 import time
 
-from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.app import ConfigRecord, Context, Error, Message, MessageType, RecordDict
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
+from fedcomp.failures import RunFailed
 from fedcomp.flower.accounting import count
 from fedcomp.keys import (
+    KEY_HANDLES,
+    KEY_PROTOCOL,
     KEY_QUERY,
     KEY_STABLE_ID,
     NODE_CONFIG_PARTITION_ID,
     NODE_CONFIG_STABLE_ID,
+    PROTOCOL_VERSION,
     QUERY_IDENTITY,
     RECORD_IDENTITY,
 )
@@ -61,7 +66,36 @@ def partition_id_of(context: Context) -> int:
     return value
 
 
+def is_identity_message(msg: Message) -> bool:
+    """True for the server's first-contact identity message (a TRAIN message)."""
+    if msg.metadata.message_type != MessageType.TRAIN or not msg.has_content():
+        return False
+    return any(c.get(KEY_QUERY) == QUERY_IDENTITY for c in msg.content.config_records.values())
+
+
+def identity_reply(msg: Message, context: Context, handles: str) -> Message:
+    """The mod's answer to an identity message: the stable id, the protocol and the
+    message kinds the mod handles (an error naming the node config when there is no
+    stable id). The app's train handler is not called."""
+    try:
+        stable_id = stable_id_of(context)
+    except ValueError as exc:
+        return Message(
+            Error(code=ErrorCode.MOD_FAILED_PRECONDITION, reason=f"CompressionMod: {exc}"),
+            reply_to=msg,
+        )
+    identity = ConfigRecord(
+        {KEY_STABLE_ID: stable_id, KEY_PROTOCOL: PROTOCOL_VERSION, KEY_HANDLES: handles}
+    )
+    return Message(RecordDict({RECORD_IDENTITY: identity}), reply_to=msg)
+
+
 # --- server half ---------------------------------------------------------------------
+
+
+class NoIdentity(RunFailed):
+    """No connected node answered the identity message: the run cannot sample anyone."""
+
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +109,8 @@ class StableIds:
         #: Stable ids whose node disconnected or reconnected under a new node id since
         #: the caller last drained this set: a restarted node may have lost its state.
         self.moved: set[int] = set()
+        #: The message kinds each stable id's mod declared at first contact.
+        self.handles: dict[int, frozenset[str]] = {}
 
     def __len__(self) -> int:
         return len(self._by_stable)
@@ -129,18 +165,25 @@ class StableIds:
         unknown = sorted(connected - set(self._by_node))
         if not unknown:
             return
-        query = RecordDict({"config": ConfigRecord({KEY_QUERY: QUERY_IDENTITY})})
-        messages = [Message(query, dst_node_id=n, message_type=MessageType.QUERY) for n in unknown]
+        # A TRAIN message (a kind every app registers; Flower refuses a QUERY when the
+        # app registered no query handler, before any mod runs) that the mod answers
+        # itself, without calling the app's train handler.
+        query = RecordDict(
+            {"config": ConfigRecord({KEY_QUERY: QUERY_IDENTITY, KEY_PROTOCOL: PROTOCOL_VERSION})}
+        )
+        messages = [Message(query, dst_node_id=n, message_type=MessageType.TRAIN) for n in unknown]
         remaining = max(deadline - time.monotonic(), 1.0)
         if traffic is not None:
             for msg in messages:
                 count(traffic, Kind.IDENTITY_QUERY, msg, client=None)
+        failures: list[str] = []
         for reply in grid.send_and_receive(messages, timeout=remaining):
             node_id = reply.metadata.src_node_id
             if traffic is not None:
                 count(traffic, Kind.IDENTITY_REPLY, reply, client=None)
             if reply.has_error():
-                log.warning("identity query to node %d failed: %s", node_id, reply.error.reason)
+                failures.append(str(reply.error.reason).strip().splitlines()[-1:][0][:300])
+                log.warning("identity message to node %d failed: %s", node_id, failures[-1])
                 continue
             try:
                 stable_id = int(reply.content[RECORD_IDENTITY][KEY_STABLE_ID])
@@ -148,4 +191,15 @@ class StableIds:
                 log.warning("node %d sent a malformed identity reply: %r", node_id, exc)
                 continue
             self.add(node_id, stable_id)
+            handles = reply.content[RECORD_IDENTITY].get(KEY_HANDLES)
+            if handles is not None:
+                self.handles[stable_id] = frozenset(str(handles).split(","))
         log.info("stable ids known for %d of %d connected nodes", len(self), len(connected))
+        if not self._by_node:
+            raise NoIdentity(
+                f"none of the {len(connected)} connected nodes answered fedcomp's identity "
+                "message: the ClientApp needs fedcomp.flower.CompressionMod "
+                "(ClientApp(mods=[CompressionMod()])) and each SuperNode a stable id "
+                '(--node-config "partition-id=<i>"). First error: '
+                + (failures[0] if failures else "no reply")
+            )

@@ -58,7 +58,7 @@ from fedcomp.controlvariates import (
 )
 from fedcomp.downlink import Replica, ReplicaError
 from fedcomp.flower.accounting import wire_bytes
-from fedcomp.flower.identity import stable_id_of
+from fedcomp.flower.identity import identity_reply, is_identity_message, stable_id_of
 from fedcomp.flower.memory_state import (
     MemoryState,
     load_memory,
@@ -109,6 +109,8 @@ from fedcomp.onebit.federated import joint_seed, out_of_range_fraction, unpack_t
 from fedcomp.rng import derive_seed
 
 _WRAPPER = "fedcomp.flower.strategy.CompressedStrategy"
+#: The message kinds this mod handles (it rebuilds train and evaluate instructions).
+HANDLES = f"{MessageType.TRAIN},{MessageType.EVALUATE}"
 
 
 @dataclass
@@ -163,7 +165,7 @@ def _held_header(digest: str | None, replica: Replica | None) -> dict[str, Any]:
     if digest is None:
         return {}
     return {
-        KEY_HANDLES: f"{MessageType.TRAIN},{MessageType.EVALUATE}",
+        KEY_HANDLES: HANDLES,
         KEY_SETTINGS: digest,
         **(replica_header(replica) if replica is not None else {}),
     }
@@ -287,6 +289,8 @@ class CompressionMod:
             return call_next(msg, ctxt)
         if kind == MessageType.EVALUATE and not _from_wrapper(msg):
             return call_next(msg, ctxt)  # not fedcomp's: untouched
+        if is_identity_message(msg):  # first contact: answered here, no training
+            return identity_reply(msg, ctxt, HANDLES)
         try:  # the run settings, when the instruction carries only their digest
             digest = restore_settings(msg.content, ctxt.state)
         except ValueError as exc:

@@ -353,6 +353,8 @@ class CompressedStrategy(Strategy):
             if self.broadcast is not None:
                 self.broadcast.forget(sid)
         self.ids.moved.clear()
+        self.handles.update(self.ids.handles)  # declared at first contact
+        self.ids.handles.clear()
 
     def _sample(self, server_round: int, fraction: float, purpose: str) -> list[int]:
         minimum = (
