@@ -36,7 +36,7 @@ from fedcomp.keys import (
 )
 from fedcomp.settings import settings_from_dict, validate
 from strategies.inner import make_inner_strategy
-from strategies.server_app import client_task, run_server
+from strategies.server_app import build_strategy, client_task, run_server
 
 UNIFORM4 = {"name": "uniform", "bits": 4, "block": 256}
 
@@ -224,20 +224,9 @@ def _replicas(grid: InProcessGrid) -> dict[int, Replica]:
     return out
 
 
-def _strategy(settings, rounds: int = 10) -> CompressedStrategy:
-    return CompressedStrategy(
-        make_inner_strategy(
-            {"name": "fedavg"},
-            settings.num_clients,
-            fraction_train=settings.fraction_train,
-            fraction_evaluate=settings.fraction_evaluate,
-        ),
-        codec=settings.codec,
-        downlink=settings.downlink,
-        run_seed=settings.seed,
-        task=client_task(settings),
-        identity_timeout=5,
-    )
+def _strategy(settings) -> CompressedStrategy:
+    """The ServerApp's own wrapper for these settings."""
+    return build_strategy(settings)
 
 
 def _assert_in_sync(server: BroadcastServer, grid: InProcessGrid) -> int:
