@@ -4,6 +4,7 @@ messages, and bad replies that become failures without touching the others."""
 
 from __future__ import annotations
 
+import logging
 import math
 import struct
 
@@ -543,3 +544,25 @@ def test_a_client_app_without_the_mod_is_named_on_the_first_round() -> None:
     with pytest.raises(RunFailed, match=r"CompressionMod\(\)\]\).*First error: .*arrays"):
         strategy.start(InProcessGrid(plain, 2), _initial(SETTINGS), num_rounds=1)
     assert strategy.rounds == []
+
+
+def test_two_nodes_claiming_one_stable_id_are_refused_loudly(caplog) -> None:
+    """Two connected nodes with the same partition id: the second is refused (never
+    sampled) with a message naming the node config; the run goes on with the rest."""
+    grid = InProcessGrid(make_client_app(), N)
+    nodes = list(grid.contexts)
+    original, twin = nodes[0], nodes[-1]
+    grid.contexts[twin].node_config["partition-id"] = 0
+    strategy = CompressedStrategy(
+        make_inner_strategy({"name": "fedavg"}, N, fraction_evaluate=0.0),
+        codec={"name": "fp32"},
+        task=client_task(SETTINGS),
+        identity_timeout=5,
+    )
+    caplog.set_level(logging.ERROR, logger="fedcomp.flower.identity")
+    strategy.start(grid, _initial(SETTINGS), num_rounds=1)
+    assert any("both claim stable id 0" in m and "partition-id" in m for m in caplog.messages)
+    (refused,) = strategy.ids.refused  # the twin that answered second
+    assert refused in (twin, original)
+    assert strategy.ids.stable_ids() == list(range(N - 1))
+    assert strategy.rounds[0]["replied"] == N - 1

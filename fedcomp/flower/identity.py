@@ -109,6 +109,8 @@ class StableIds:
         #: Stable ids whose node disconnected or reconnected under a new node id since
         #: the caller last drained this set: a restarted node may have lost its state.
         self.moved: set[int] = set()
+        #: Nodes refused for claiming a stable id another connected node holds.
+        self.refused: set[int] = set()
         #: The message kinds each stable id's mod declared at first contact.
         self.handles: dict[int, frozenset[str]] = {}
 
@@ -162,7 +164,7 @@ class StableIds:
                 )
             time.sleep(0.5)
         self.forget_missing(connected)
-        unknown = sorted(connected - set(self._by_node))
+        unknown = sorted(connected - set(self._by_node) - self.refused)
         if not unknown:
             return
         # A TRAIN message (a kind every app registers; Flower refuses a QUERY when the
@@ -189,6 +191,19 @@ class StableIds:
                 stable_id = int(reply.content[RECORD_IDENTITY][KEY_STABLE_ID])
             except (KeyError, TypeError, ValueError) as exc:
                 log.warning("node %d sent a malformed identity reply: %r", node_id, exc)
+                continue
+            holder = self._by_stable.get(stable_id)
+            if holder is not None and holder != node_id and holder in connected:
+                log.error(
+                    "nodes %d and %d both claim stable id %d: node %d is refused (never "
+                    "sampled); give each SuperNode its own --node-config "
+                    '"partition-id=<i>" (or stable-id=<i>)',
+                    holder,
+                    node_id,
+                    stable_id,
+                    node_id,
+                )
+                self.refused.add(node_id)
                 continue
             self.add(node_id, stable_id)
             handles = reply.content[RECORD_IDENTITY].get(KEY_HANDLES)
