@@ -57,6 +57,13 @@ JOB = {
     "num_clients": 2,
     "num_rounds": 2,
     "codec": {"name": "topk", "fraction": 0.01},
+    "downlink": {
+        "name": "uniform",
+        "bits": 4,
+        "block": 256,
+        "memory": "error_feedback",
+        "initial": "seeded",
+    },
     "train": {"local_epochs": 1},
     "fraction_evaluate": 0.0,
 }
@@ -64,6 +71,7 @@ JOB_OVERRIDES = [
     "num_clients=2",
     "num_rounds=2",
     "codec=topk",
+    "downlink=uniform4",
     "train.local_epochs=1",
     "fraction_evaluate=0.0",
 ]
@@ -405,7 +413,8 @@ def _started(output: str) -> dict[int, int]:
 
 @pytest.mark.deployment
 def test_loopback_job_matches_the_in_process_path_byte_for_byte(tmp_path: Path) -> None:
-    """2 SuperNodes, 2 rounds, top-k: the real deployment computes the same updates.
+    """2 SuperNodes, 2 rounds, top-k up and 4-bit down (replicas built from the seed on
+    the SuperNodes): the real deployment computes the same updates.
 
     Codec and record bytes are equal to the byte, and so are the centralized
     accuracies. Wire bytes differ a little: they are the deflated messages, whose
