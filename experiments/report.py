@@ -116,6 +116,19 @@ def load_all(root: Path) -> list[dict[str, Any]]:
     return [load_results(p) for p in paths]
 
 
+def select(runs: list[dict[str, Any]], only: Sequence[str]) -> list[dict[str, Any]]:
+    """The runs whose flat settings match every ``key=value`` of ``only`` (values
+    compared as text; ``codec.name=fp32,uniform`` matches either)."""
+    kept = runs
+    for condition in only:
+        key, _, values = condition.partition("=")
+        allowed = set(values.split(","))
+        kept = [r for r in kept if str(flatten(r["config"]).get(key)) in allowed]
+    if runs and not kept:
+        raise FileNotFoundError(f"no run matches {' '.join(only)}")
+    return kept
+
+
 def t_half_width(values: Sequence[float], confidence: float = 0.95) -> float | None:
     """Half-width of the Student-t confidence interval of the mean (None for n < 2)."""
     if len(values) < 2:
@@ -522,6 +535,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="write report.md and accuracy_vs_{total_wire,uplink_codec,uplink_wire}_bytes.png here",
     )
     parser.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        help="with --paired/--plot/--out-dir: keep the runs whose setting key=value "
+        "(a,b for either; repeatable), e.g. --only fraction_train=0.25",
+    )
+    parser.add_argument(
         "--metric",
         action="append",
         default=[],
@@ -531,7 +551,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.paired or args.plot or args.out_dir:
-            runs = load_all(args.root)
+            runs = select(load_all(args.root), args.only)
             text = (
                 paired_report(runs, args.tolerance, args.metric, args.target)
                 if args.paired

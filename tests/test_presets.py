@@ -348,3 +348,19 @@ def test_bidirectional_digits_smoke_cuts_the_total_with_the_downlink() -> None:
         messages = sum(c["messages"] for rnd in r["rounds"] for c in rnd["traffic"].values())
         assert abs(r["summary"]["fp32_total_wire_bytes"] - fp32) <= 96 * messages, key
         assert all(rnd["replied"] == rnd["selected"] for rnd in r["rounds"]), key
+
+
+def test_report_selects_runs_by_setting() -> None:
+    from experiments.report import select
+
+    runs = [
+        {"config": {"fraction_train": f, "codec": {"name": c}}}
+        for f in (1.0, 0.25)
+        for c in ("fp32", "uniform")
+    ]
+    assert select(runs, []) == runs
+    assert select(runs, ["fraction_train=0.25"]) == runs[2:]
+    kept = select(runs, ["fraction_train=0.25,1.0", "codec.name=uniform"])
+    assert kept == [runs[1], runs[3]]
+    with pytest.raises(FileNotFoundError, match=r"codec\.name=nope"):
+        select(runs, ["codec.name=nope"])
