@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.fedcomp-installed
 export FLWR_TELEMETRY_ENABLED := 0
 export FLWR_HOME := $(CURDIR)/.flwr
 
-.PHONY: run test test-slow deploy-test lint bench bench-dme fuzz clean
+.PHONY: run test test-slow deploy-test lint bench bench-dme fuzz wheel clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -56,6 +56,11 @@ fuzz: $(STAMP)
 	    | grep -E "^tests/|phase|passing examples|failing examples|Stopped because|passed|failed"; \
 	status=$${PIPESTATUS[0]}; \
 	echo "fuzz: seed $$seed, wall time $$(( $$(date +%s) - start )) s"; exit $$status
+
+## wheel: the installable package (fedcomp only; this repository's apps are not shipped)
+wheel: $(STAMP)
+	$(PY) -m pip wheel --no-deps --no-build-isolation -q -w dist .
+	@ls dist/fedcomp-*.whl
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
