@@ -418,8 +418,14 @@ def _paired_downlink_differences(
 
 
 def _label(keys: Sequence[str], group: tuple, informative: set[str] | None = None) -> str:
+    both = any(k.startswith("downlink.") for k in keys)  # say which direction
+
+    def name(key: str) -> str:
+        prefix = {"codec": "up ", "downlink": "down "}.get(key.split(".")[0], "") if both else ""
+        return prefix + key.split(".")[-1]
+
     return ", ".join(
-        f"{k.split('.')[-1]}={_cell(v)}"
+        f"{name(k)}={_cell(v)}"
         for k, v in zip(keys, group, strict=True)
         if v is not None and (informative is None or k in informative)
     )
@@ -428,7 +434,7 @@ def _label(keys: Sequence[str], group: tuple, informative: set[str] | None = Non
 def _informative(keys: Sequence[str], groups: Sequence[tuple]) -> set[str]:
     """Keys worth a legend entry: the codec's name, and any key with two or more
     values besides n/a (a parameter only one codec has, at one value, says nothing)."""
-    keep = {"codec.name"}
+    keep = {"codec.name", "downlink.name"}
     for i, key in enumerate(keys):
         if len({repr(g[i]) for g in groups if g[i] is not None}) > 1:
             keep.add(key)

@@ -194,9 +194,8 @@ def run_server(
     results["summary"]["initial_accuracy"] = initial_eval.get("accuracy")
     s = results["summary"]
     log.info(
-        "done: final accuracy %s (initial %s) | total wire %s B in %d rounds, %sx fewer "
-        "than fp32 both ways (train traffic %sx) | uplink wire %d B, ratio vs fp32: "
-        "codec %s wire %s | %.1f s",
+        "done: final accuracy %s (initial %s) | total wire %s B in %d rounds, fp32/total "
+        "%s (train traffic %s) | uplink wire %d B, ratio vs fp32: codec %s wire %s | %.1f s",
         fmt(s["final_accuracy"]),
         fmt(s["initial_accuracy"]),
         s["total_wire_bytes"],

@@ -205,8 +205,7 @@ def log_line(record: Mapping[str, Any], num_rounds: int) -> str:
     return (
         f"round {record['round']}/{num_rounds} | accuracy {fmt(record['accuracy'])} "
         f"loss {fmt(record['loss'])} | client acc {fmt(record['client_accuracy'])} "
-        f"| total wire {human_bytes(total)} ({fmt(fp32 / total if total else None)}x "
-        f"fewer than fp32) "
+        f"| total wire {human_bytes(total)} (fp32/total {fmt(fp32 / total if total else None)}) "
         f"| up codec {human_bytes(record['uplink_codec_bytes'])} "
         f"record {human_bytes(record['uplink_record_bytes'])} "
         f"wire {human_bytes(record['uplink_wire_bytes'])} "
