@@ -1,13 +1,16 @@
-"""What each client is sent: seeded sampling over stable ids, and per-client configs."""
+"""What each client is sent: Flower's sampling settings (read from the inner strategy),
+seeded sampling over stable ids, and per-client configs."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
 from typing import Any
 
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.serverapp.strategy import Strategy
 
 from fedcomp.codecs import TensorPolicy
 from fedcomp.flower.joint import JointRound
@@ -29,6 +32,28 @@ from fedcomp.keys import (
 )
 from fedcomp.onebit.federated import pack_taus
 from fedcomp.rng import numpy_generator
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Flower's sampling settings, as the inner strategy holds them."""
+
+    fraction_train: float = 1.0
+    fraction_evaluate: float = 1.0
+    min_train_nodes: int = 2
+    min_evaluate_nodes: int = 2
+    min_available_nodes: int = 2
+
+    @classmethod
+    def of(cls, strategy: Strategy) -> Sampling:
+        """Read them from the strategy, or the strategy it wraps (Flower's DP
+        wrappers), else Flower's defaults."""
+        source: Any = strategy
+        while source is not None and not hasattr(source, "fraction_train"):
+            source = getattr(source, "strategy", None)
+        if source is None:
+            return cls()
+        return cls(**{f.name: getattr(source, f.name) for f in fields(cls)})
 
 
 def sample(

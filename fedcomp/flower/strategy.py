@@ -28,14 +28,11 @@ import json
 import logging
 import math
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
 from flwr.app import (
-    Array,
     ArrayRecord,
     ConfigRecord,
     Message,
@@ -55,24 +52,32 @@ from fedcomp.codecs import (
 )
 from fedcomp.controlvariates import ControlVariateServer, MirrorStore
 from fedcomp.downlink import BroadcastServer, DownlinkSpec, parse_downlink
-from fedcomp.failures import Failure, RunFailed
 from fedcomp.flower.accounting import count, record_bytes, wire_bytes
 from fedcomp.flower.decoding import ReplyDecoder
+from fedcomp.flower.evaluation import (
+    ACCURACY_KEYS,
+    LOSS_KEYS,
+    first_present,
+    valid_evaluate_replies,
+)
+from fedcomp.flower.guards import (
+    all_finite,
+    cap_weights,
+    cast_like,
+    clip_norms,
+    fail_if_diverged,
+    fail_if_nothing_learned,
+    print_through_flower,
+)
 from fedcomp.flower.handoff import make_handoff
 from fedcomp.flower.identity import StableIds
 from fedcomp.flower.inner_state import inner_state_dict, load_inner_state_dict
-from fedcomp.flower.instructions import Instructions, sample
+from fedcomp.flower.instructions import Instructions, Sampling, sample
 from fedcomp.flower.joint import plan_round
 from fedcomp.flower.records import client_rows, empty_client_row, log_line, round_record
 from fedcomp.flower.replica import ReplicaSender
-from fedcomp.flower.round_state import Decoded, RoundState
-from fedcomp.flower.validation import (
-    ReplyError,
-    check_evaluate_reply,
-    majority_keys,
-)
-from fedcomp.influence import clip_scales, update_norm, weight_cap
-from fedcomp.keys import KEY_HANDLES, KEY_NUM_EXAMPLES, RECORD_HEADER
+from fedcomp.flower.round_state import RoundState
+from fedcomp.keys import KEY_HANDLES, RECORD_HEADER
 from fedcomp.onebit import OneBitCode
 from fedcomp.onebit.federated import JointServerState
 from fedcomp.rules import check_server_options
@@ -84,28 +89,6 @@ log = logging.getLogger(__name__)
 #: The run seed when none is given (logged in the summary): public randomness must be
 #: reproducible, so never Flower's random run id.
 DEFAULT_RUN_SEED = 0
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """Flower's sampling settings, as the inner strategy holds them."""
-
-    fraction_train: float = 1.0
-    fraction_evaluate: float = 1.0
-    min_train_nodes: int = 2
-    min_evaluate_nodes: int = 2
-    min_available_nodes: int = 2
-
-    @classmethod
-    def of(cls, strategy: Strategy) -> Sampling:
-        """Read them from the strategy, or the strategy it wraps (Flower's DP
-        wrappers), else Flower's defaults."""
-        source: Any = strategy
-        while source is not None and not hasattr(source, "fraction_train"):
-            source = getattr(source, "strategy", None)
-        if source is None:
-            return cls()
-        return cls(**{f.name: getattr(source, f.name) for f in fields(cls)})
 
 
 class CompressedStrategy(Strategy):
@@ -311,7 +294,7 @@ class CompressedStrategy(Strategy):
             raise ValueError(f"first_round={first_round} is not in 1..{num_rounds}")
         self._num_rounds = num_rounds
         self._offset = first_round - 1
-        _print_through_flower()
+        print_through_flower()
         self._refresh_ids(grid)
 
         def evaluate_and_close(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
@@ -333,8 +316,8 @@ class CompressedStrategy(Strategy):
             evaluate_config,
             evaluate_and_close,
         )
-        _fail_if_nothing_learned(self.rounds[self._offset :])
-        _fail_if_diverged(self.rounds[self._offset :])
+        fail_if_nothing_learned(self.rounds[self._offset :])
+        fail_if_diverged(self.rounds[self._offset :])
         return result
 
     # ------------------------------------------------------------------ instructions
@@ -479,8 +462,8 @@ class CompressedStrategy(Strategy):
         self.decoder.accept(decoded, state, self.accepted_round)
         decode_s = time.perf_counter() - t0
 
-        state.record.capped = _cap_weights(decoded, self.weight_cap)
-        state.record.clipped = 0 if self.joint else _clip_norms(decoded, self.norm_cap)
+        state.record.capped = cap_weights(decoded, self.weight_cap)
+        state.record.clipped = 0 if self.joint else clip_norms(decoded, self.norm_cap)
         t1 = time.perf_counter()
         arrays, metrics = None, None
         replies_in = self.handoff_impl.replies(decoded, state) if decoded else None
@@ -489,9 +472,9 @@ class CompressedStrategy(Strategy):
         elif replies_in is not None:
             arrays, metrics = self.strategy.aggregate_train(server_round, replies_in)
         if arrays is not None:  # FedAdam & co. compute in float64: keep the model's dtypes
-            arrays = _cast_like(arrays, state.global_arrays)
+            arrays = cast_like(arrays, state.global_arrays)
         aggregate_s = time.perf_counter() - t1
-        if arrays is not None and not _all_finite(arrays):
+        if arrays is not None and not all_finite(arrays):
             log.error(
                 "round %d: the aggregate is not finite; the global model is kept", server_round
             )
@@ -609,7 +592,9 @@ class CompressedStrategy(Strategy):
             for msg in replies:
                 sid = self.ids.stable_of(msg.metadata.src_node_id)
                 count(self._state.traffic, Kind.EVALUATE_REPLY, msg, client=sid)
-        valid = self._valid_evaluate_replies(replies, server_round)
+        valid = valid_evaluate_replies(
+            replies, server_round, stable_of=self.ids.stable_of, asked=self._evaluate_sent
+        )
         try:
             metrics = self.strategy.aggregate_evaluate(server_round, valid)
         except Exception as exc:  # evaluation is a report: it must not end the run
@@ -618,49 +603,9 @@ class CompressedStrategy(Strategy):
         if self._state is not None and self._state.number == server_round and metrics:
             record = self._state.record
             record.client_metrics = {k: v for k, v in metrics.items() if not isinstance(v, list)}
-            record.client_accuracy = _first_present(metrics, ACCURACY_KEYS)
-            record.client_loss = _first_present(metrics, LOSS_KEYS)
+            record.client_accuracy = first_present(metrics, ACCURACY_KEYS)
+            record.client_loss = first_present(metrics, LOSS_KEYS)
         return metrics
-
-    def _valid_evaluate_replies(self, replies: list[Message], server_round: int) -> list[Message]:
-        """The evaluate replies fit to aggregate, sorted by stable id (see above)."""
-        sids = [self.ids.stable_of(m.metadata.src_node_id) for m in replies]
-        repeats = Counter(sids)
-        checked = []
-        for sid, msg in zip(sids, replies, strict=True):
-            if msg.has_error():
-                log.warning("round %d: evaluation failed on client %s", server_round, sid)
-                continue
-            try:
-                if sid is None or sid not in self._evaluate_sent:
-                    raise ReplyError("not asked to evaluate this round", Failure.NOT_ASKED)
-                if repeats[sid] > 1:
-                    raise ReplyError("more than one evaluate reply", Failure.DUPLICATE)
-                metrics = check_evaluate_reply(msg.content)
-            except ReplyError as exc:
-                log.warning(
-                    "round %d: evaluate reply of client %s set aside [%s]: %s",
-                    server_round,
-                    sid,
-                    exc.kind,
-                    exc,
-                )
-                continue
-            checked.append((sid, frozenset(metrics.keys()), msg))
-        if not checked:
-            return []
-        keys = majority_keys([k for _, k, _ in checked])
-        for sid, other, _ in checked:
-            if other != keys:
-                log.warning(
-                    "round %d: evaluate reply of client %s set aside: metric names %s, "
-                    "most replies carry %s",
-                    server_round,
-                    sid,
-                    sorted(other),
-                    sorted(keys),
-                )
-        return [m for _, k, m in sorted(checked, key=lambda c: c[0]) if k == keys]
 
     # ------------------------------------------------------------------ round records
 
@@ -708,112 +653,3 @@ class CompressedStrategy(Strategy):
             log.info(line)
         if self.on_round is not None:
             self.on_round(record)
-
-
-def _print_through_flower() -> None:
-    """A plain Flower app configures only Flower's logger: when nothing would print
-    fedcomp's round lines, print them with Flower's own console handlers (an app
-    that configured logging itself keeps its configuration)."""
-    ours = logging.getLogger("fedcomp")
-    if ours.hasHandlers():
-        return
-    for handler in logging.getLogger("flwr").handlers:
-        ours.addHandler(handler)
-    if ours.level == logging.NOTSET:
-        ours.setLevel(logging.INFO)
-
-
-def _fail_if_diverged(rounds: list[dict[str, Any]]) -> None:
-    """A global model whose central loss or accuracy stopped being finite diverged:
-    the rounds after it cannot have learned anything."""
-    bad = next((r for r in rounds if r.get("nonfinite_metrics")), None)
-    if bad is not None:
-        raise RunFailed(
-            f"the global model diverged: its central {', '.join(bad['nonfinite_metrics'])} "
-            f"became non-finite at round {bad['round']}. Lower the learning rate or the "
-            "compression (codec, downlink), or cap influence (aggregation.norm_cap)."
-        )
-
-
-def _fail_if_nothing_learned(rounds: list[dict[str, Any]]) -> None:
-    """A run in which no round accepted a single reply cannot have learned: say so
-    loudly, with what the replies were rejected for, instead of ending as a success."""
-    if not rounds or any(r["replied"] > 0 for r in rounds):
-        return
-    rejected: Counter[str] = Counter()
-    for record in rounds:
-        rejected.update(record.get("rejected", {}))
-        rejected.update({k: v for k, v in record["faults"].items() if k != "rejected_reply"})
-    reasons = ", ".join(f"{k} {v}" for k, v in rejected.most_common()) or "no replies at all"
-    raise RunFailed(
-        f"no reply was accepted in any of the {len(rounds)} round(s): the model never "
-        f"changed. Failures by kind: {reasons}. Check that the ClientApp has "
-        "fedcomp.flower.CompressionMod and the logs' rejected replies."
-    )
-
-
-#: Aggregated client-evaluation metrics the round line shows as client accuracy and
-#: loss: the first name present (Flower's quickstarts use eval_acc/eval_loss, others
-#: accuracy/loss). Every aggregated metric is recorded in ``client_metrics`` anyway.
-ACCURACY_KEYS = ("eval_acc", "accuracy", "eval_accuracy", "acc")
-LOSS_KEYS = ("eval_loss", "loss")
-
-
-def _first_present(metrics: MetricRecord, keys: tuple[str, ...]) -> float | None:
-    for key in keys:
-        if key in metrics and not isinstance(metrics[key], list):
-            return float(metrics[key])
-    return None
-
-
-def _cap_weights(decoded: list[Decoded], factor: float) -> int:
-    """Cap num-examples at ``factor`` x the round's median; return how many."""
-    cap = weight_cap([d.weight for d in decoded], factor)
-    capped = 0
-    for item in decoded:
-        if cap is not None and item.weight > cap:
-            item.weight = cap
-            item.metrics[KEY_NUM_EXAMPLES] = cap  # what the inner strategy weighs by
-            capped += 1
-    return capped
-
-
-def _clip_norms(decoded: list[Decoded], factor: float) -> int:
-    """Scale updates beyond ``factor`` x the median norm down to it; return how many
-    (clipping, not rejection: a residual mirror has already moved with the reply)."""
-    norms = [update_norm(d.deltas) for d in decoded]
-    clipped = 0
-    for item, norm, scale in zip(decoded, norms, clip_scales(norms, factor), strict=True):
-        if scale != 1.0:
-            item.deltas = {
-                k: (v * scale).astype(v.dtype) if v.dtype.kind == "f" else v
-                for k, v in item.deltas.items()
-            }
-            clipped += 1
-            log.warning(
-                "client %s: update norm %.3g clipped to %.3g", item.stable_id, norm, norm * scale
-            )
-    return clipped
-
-
-def _cast_like(arrays: ArrayRecord, reference: Mapping[str, np.ndarray]) -> ArrayRecord:
-    """The inner strategy's output in the global model's dtypes. Flower's FedOpt
-    strategies return float64 arrays: every later instruction would carry twice the
-    bytes, and every reply would fail the dtype check against the model."""
-    if all(np.asarray(v.numpy()).dtype == reference[k].dtype for k, v in arrays.items()):
-        return arrays
-    return ArrayRecord(
-        {
-            k: Array(np.asarray(v.numpy()).astype(reference[k].dtype, copy=False))
-            for k, v in arrays.items()
-        }
-    )
-
-
-def _all_finite(arrays: ArrayRecord) -> bool:
-    """True when every floating-point array of the record is finite."""
-    for value in arrays.values():
-        array = np.asarray(value.numpy())
-        if array.dtype.kind == "f" and not np.isfinite(array).all():
-            return False
-    return True
