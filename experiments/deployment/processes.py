@@ -118,8 +118,10 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def start_component(name: str, argv: list[str], log_path: Path, port: int, env: dict) -> Component:
-    """Start ``argv`` in a new session, output to ``log_path``."""
+def start_component(
+    name: str, argv: list[str], log_path: Path, port: int, env: dict, cwd: Path | None = None
+) -> Component:
+    """Start ``argv`` in a new session (in ``cwd``), output to ``log_path``."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as out:
         try:
@@ -129,6 +131,7 @@ def start_component(name: str, argv: list[str], log_path: Path, port: int, env: 
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=env,
+                cwd=cwd,
                 start_new_session=True,
             )
         except OSError as exc:

@@ -1,0 +1,1 @@
+"""quickstart-fedcomp: a Flower app in the quickstart shape, compressed by fedcomp."""
