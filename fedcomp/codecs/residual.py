@@ -130,7 +130,9 @@ class ResidualMemory(Memory):
             if tuple(h.shape) != tuple(x.shape):
                 raise ValueError(f"residual: h shape {h.shape} != update shape {tuple(x.shape)}")
             x = x - torch.from_numpy(np.ascontiguousarray(h, dtype=np.float32))
-        payload = self.inner.encode(x, seed=seed)
+        # In the update's own dtype, as every codec is (a float64 model's payload
+        # claims float64, which the server checks); a no-op for float32 models.
+        payload = self.inner.encode(x.to(delta.dtype), seed=seed)
         decoded = self.inner.decode(payload).to(torch.float32).numpy()
         return payload, decoded
 

@@ -1,0 +1,1 @@
+"""numpy-logreg: Flower's NumPy/scikit-learn quickstart shape (float64 arrays)."""
