@@ -252,6 +252,8 @@ def build_results(
         "total_wire_bytes": total_wire,
         "fp32_total_wire_bytes": fp32_total,
         "total_ratio_vs_fp32": _opt_ratio(fp32_total, total_wire),
+        # Rounds in which no reply was accepted (the model did not change).
+        "rounds_without_accepted_reply": sum(1 for r in rounds if r["replied"] == 0),
         "train_ratio_vs_fp32": _opt_ratio(fp32_train, train_wire),
         "ratio_vs_fp32_codec": _ratio(total("fp32_codec_bytes"), total("decoded_codec_bytes")),
         "ratio_vs_fp32_wire": _ratio(total("fp32_wire_bytes"), total("decoded_wire_bytes")),

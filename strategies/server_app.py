@@ -207,6 +207,12 @@ def run_server(
         fmt(s["ratio_vs_fp32_wire"]),
         s["wall_s"],
     )
+    if s["rounds_without_accepted_reply"]:
+        log.warning(
+            "%d of %d rounds accepted no reply: the model did not change in them",
+            s["rounds_without_accepted_reply"],
+            len(rounds),
+        )
     if settings.results_path:
         write_results(settings.results_path, results)
     if failed is not None:

@@ -132,3 +132,11 @@ def test_files_without_the_traffic_fields_read_as_unavailable() -> None:
     assert round_sum(rebuilt["rounds"], "total_wire_bytes") is None
     assert rebuilt["summary"]["total_ratio_vs_fp32"] is None
     assert rebuilt["summary"]["total_wire_bytes"] is None
+
+
+def test_the_summary_counts_rounds_that_accepted_no_reply() -> None:
+    results, _ = _run({"name": "fp32"})
+    assert results["summary"]["rounds_without_accepted_reply"] == 0
+    stalled = [dict(results["rounds"][0]), {**results["rounds"][1], "replied": 0}]
+    rebuilt = build_results(results["config"], stalled, wall_s=1.0)
+    assert rebuilt["summary"]["rounds_without_accepted_reply"] == 1
