@@ -8,7 +8,7 @@ import copy
 
 import numpy as np
 import pytest
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType
+from flwr.app import ArrayRecord, Message, MessageType
 
 from clients.client_app import make_client_app
 from experiments.inprocess import InProcessGrid
@@ -49,14 +49,11 @@ def _initial(settings: Settings) -> ArrayRecord:
 
 
 def run_rounds(strategy: CompressedStrategy, grid, arrays: ArrayRecord, rounds) -> ArrayRecord:
-    """Flower's round loop, for any range of round numbers (resume tests need 3..4)."""
-    strategy.ids.refresh(grid, expected=N, timeout=5)
-    for rnd in rounds:
-        replies = grid.send_and_receive(strategy.configure_train(rnd, arrays, ConfigRecord(), grid))
-        new, _ = strategy.aggregate_train(rnd, replies)
-        strategy._close_round(rnd, None)
-        arrays = new if new is not None else arrays
-    return arrays
+    """Flower's round loop through the wrapper's public start(), for any range of round
+    numbers (resume tests need 3..4)."""
+    rounds = list(rounds)
+    result = strategy.start(grid, arrays, num_rounds=rounds[-1], first_round=rounds[0])
+    return result.arrays if result.arrays else arrays
 
 
 def _drop(plan: dict[int, set[int]], current: dict[str, int]):
