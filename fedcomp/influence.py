@@ -8,8 +8,25 @@ rules are only applied with three replies or more where stated.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
+
+
+@dataclass(frozen=True)
+class Influence:
+    """The bounds on one client's influence, as the wrapper applies them.
+
+    weight_cap: cap each reply's num-examples at this multiple of the round's median
+    report (0: off). norm_cap: scale an update whose L2 norm exceeds this multiple of the
+    round's median norm down to it (0: off; clipping, not rejection). reject_factor:
+    reject a reply whose update norm is beyond this multiple of the median (0: off;
+    needs three replies): a guard against huge finite values.
+    """
+
+    weight_cap: float = 0.0
+    norm_cap: float = 0.0
+    reject_factor: float = 1000.0
 
 
 def update_norm(deltas: Mapping[str, np.ndarray]) -> float:

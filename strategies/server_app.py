@@ -26,6 +26,7 @@ from fedcomp.diagnostics import aggregate_error
 from fedcomp.failures import RunFailed
 from fedcomp.flower.records import fmt
 from fedcomp.flower.strategy import CompressedStrategy
+from fedcomp.influence import Influence
 from fedcomp.models import build_model
 from fedcomp.progress import ProgressReporter
 from fedcomp.results import build_results, write_results
@@ -144,9 +145,11 @@ def build_strategy(
         identity_timeout=settings.simulation.round_timeout,
         on_round=on_round,
         update_probe=_update_probe(settings.diagnostics_dir),
-        weight_cap=settings.aggregation.weight_cap,
-        norm_cap=settings.aggregation.norm_cap,
-        reject_factor=settings.aggregation.reject_factor,
+        influence=Influence(
+            weight_cap=settings.aggregation.weight_cap,
+            norm_cap=settings.aggregation.norm_cap,
+            reject_factor=settings.aggregation.reject_factor,
+        ),
     )
 
 

@@ -11,7 +11,9 @@ from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 from clients.client_app import make_client_app
 from clients.faults import KINDS, draw_fault
 from experiments.inprocess import InProcessGrid, Spy, initial_arrays
+from fedcomp.failures import RunFailed
 from fedcomp.flower.strategy import CompressedStrategy
+from fedcomp.influence import Influence
 from fedcomp.keys import KEY_NUM_EXAMPLES
 from fedcomp.settings import settings_from_dict, validate
 from strategies.inner import make_inner_strategy
@@ -39,8 +41,7 @@ def _setup(codec, faults=None, weight_cap=0.0, inner_mods=None, tamper=None, nor
         run_seed=settings.seed,
         task=client_task(settings),
         identity_timeout=5,
-        weight_cap=weight_cap,
-        norm_cap=norm_cap,
+        influence=Influence(weight_cap=weight_cap, norm_cap=norm_cap),
     )
     return settings, grid, strategy
 
@@ -49,7 +50,12 @@ def _setup(codec, faults=None, weight_cap=0.0, inner_mods=None, tamper=None, nor
 def test_each_fault_kind_is_a_counted_failure_and_the_model_is_kept(kind):
     settings, grid, strategy = _setup({"name": "uniform", "bits": 4}, faults={kind: 1.0})
     initial = initial_arrays(settings)
-    out = _rounds(strategy, grid, initial, [1])
+    with pytest.raises(
+        RunFailed,
+        match=f"no reply was accepted.*{kind if kind != 'corrupt_payload' else 'malformed'} {N}",
+    ):
+        _rounds(strategy, grid, initial, [1])  # a run that learned nothing fails loudly
+    out = strategy.last_arrays
     record = strategy.rounds[0]
     assert record["replied"] == 0 and record["failures"] == N
     counted = "rejected_reply" if kind == "corrupt_payload" else kind

@@ -77,6 +77,7 @@ from fedcomp.flower.joint import plan_round
 from fedcomp.flower.records import client_rows, empty_client_row, log_line, round_record
 from fedcomp.flower.replica import ReplicaSender
 from fedcomp.flower.round_state import RoundState
+from fedcomp.influence import Influence
 from fedcomp.keys import KEY_HANDLES, RECORD_HEADER
 from fedcomp.onebit import OneBitCode
 from fedcomp.onebit.federated import JointServerState
@@ -122,17 +123,9 @@ class CompressedStrategy(Strategy):
         Seconds to wait for the inner strategy's ``min_available_nodes`` nodes.
     on_round : callable, optional
         Called with each finished round's record (the results.json round shape).
-    weight_cap : float
-        Cap each reply's num-examples at this multiple of the round's median report
-        (0: no cap): one client cannot dominate the mean by claiming a huge count.
-    norm_cap : float
-        Scale any decoded update whose L2 norm exceeds this multiple of the round's
-        median norm down to it (0: off). Clipping, not rejection: a residual mirror has
-        already moved with the reply, and the client's state must stay in step.
-    reject_factor : float
-        Reject any reply whose decoded update has an L2 norm beyond this multiple of
-        the round's median norm (0: off; needs three replies). A guard against huge
-        finite values from a broken or hostile client, far above honest spreads.
+    influence : fedcomp.influence.Influence, optional
+        Bounds on one client's influence: the weight cap, the norm cap and the outlier
+        rejection factor (default: no caps, rejection beyond 1000x the median norm).
     downlink : DownlinkSpec or Mapping, optional
         Downlink compression (fedcomp.downlink; docs/downlink.md), e.g.
         ``{"name": "uniform", "bits": 4}``; default ``fp32``: the full model in every
@@ -157,15 +150,14 @@ class CompressedStrategy(Strategy):
         identity_timeout: float = 600.0,
         on_round: Callable[[dict[str, Any]], None] | None = None,
         update_probe: Callable[..., Mapping[str, float]] | None = None,
-        weight_cap: float = 0.0,
-        norm_cap: float = 0.0,
-        reject_factor: float = 1000.0,
+        influence: Influence | None = None,
         downlink: DownlinkSpec | Mapping[str, Any] | None = None,
     ) -> None:
         if not isinstance(strategy, Strategy):
             raise TypeError(f"strategy must be a Flower Strategy, found {type(strategy)}")
         #: Flower's sampling settings, read from the inner strategy (one source).
         self.sampling = Sampling.of(strategy)
+        self.influence = influence or Influence()
         self.trees = trees or TreeConfig()
         # The same rules, and messages, as the settings check before Ray starts.
         check_server_options(
@@ -175,9 +167,9 @@ class CompressedStrategy(Strategy):
             trees=self.trees,
             fraction_train=self.sampling.fraction_train,
             fraction_evaluate=self.sampling.fraction_evaluate,
-            weight_cap=weight_cap,
-            norm_cap=norm_cap,
-            reject_factor=reject_factor,
+            weight_cap=self.influence.weight_cap,
+            norm_cap=self.influence.norm_cap,
+            reject_factor=self.influence.reject_factor,
         )
         self.codec = make_codec_from_spec(codec)  # fails fast on a bad spec
         #: Joint codes (one-bit) decode only the mean of all replies together.
@@ -205,9 +197,6 @@ class CompressedStrategy(Strategy):
         self.identity_timeout = identity_timeout
         self.on_round = on_round
         self.update_probe = update_probe
-        self.weight_cap = float(weight_cap)
-        self.norm_cap = float(norm_cap)
-        self.reject_factor = float(reject_factor)
         self.ids = StableIds()
         #: Downlink replica (None: the full fp32 model in every instruction, as Flower).
         self.downlink = (
@@ -229,7 +218,7 @@ class CompressedStrategy(Strategy):
             run_seed=run_seed,
             cv=self.cv,
             stable_of=self.ids.stable_of,
-            reject_factor=self.reject_factor,
+            reject_factor=self.influence.reject_factor,
         )
         self.handoff_impl = make_handoff(
             handoff,
@@ -462,8 +451,8 @@ class CompressedStrategy(Strategy):
         self.decoder.accept(decoded, state, self.accepted_round)
         decode_s = time.perf_counter() - t0
 
-        state.record.capped = cap_weights(decoded, self.weight_cap)
-        state.record.clipped = 0 if self.joint else clip_norms(decoded, self.norm_cap)
+        state.record.capped = cap_weights(decoded, self.influence.weight_cap)
+        state.record.clipped = 0 if self.joint else clip_norms(decoded, self.influence.norm_cap)
         t1 = time.perf_counter()
         arrays, metrics = None, None
         replies_in = self.handoff_impl.replies(decoded, state) if decoded else None
