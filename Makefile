@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.fedcomp-installed
 export FLWR_TELEMETRY_ENABLED := 0
 export FLWR_HOME := $(CURDIR)/.flwr
 
-.PHONY: run test test-slow deploy-test lint bench bench-dme fuzz wheel clean
+.PHONY: run test test-slow deploy-test lint bench bench-dme fuzz mutants wheel clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -56,6 +56,10 @@ fuzz: $(STAMP)
 	    | grep -E "^tests/|phase|passing examples|failing examples|Stopped because|passed|failed"; \
 	status=$${PIPESTATUS[0]}; \
 	echo "fuzz: seed $$seed, wall time $$(( $$(date +%s) - start )) s"; exit $$status
+
+## mutants: deliberate bugs the test suite must catch (summary in experiments/results/)
+mutants: $(STAMP)
+	$(PY) -m experiments.mutants --out experiments/results/mutants.md
 
 ## wheel: the installable package (fedcomp only; this repository's apps are not shipped)
 wheel: $(STAMP)
