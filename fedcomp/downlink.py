@@ -27,7 +27,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedcomp.codecs import Codec, TensorPolicy, decode_bytes, make_codec_from_spec
+from fedcomp.codecs import (
+    Codec,
+    TensorPolicy,
+    codec_class_by_id,
+    make_codec_from_spec,
+    parse_payload,
+)
 from fedcomp.codecs.dense import RawCodec
 from fedcomp.rng import derive_seed
 from fedcomp.rules import fail
@@ -137,8 +143,41 @@ def checksum(arrays: Mapping[str, np.ndarray]) -> str:
     return h.hexdigest()
 
 
+def decode_payload_for(name: str, payload: bytes, current: np.ndarray) -> tuple[np.ndarray, bool]:
+    """One step payload decoded against the replica's tensor: (values, whether it is a
+    raw payload carrying the new value rather than a difference).
+
+    Raises
+    ------
+    ReplicaError
+        When the payload is malformed or does not fit the tensor.
+    """
+    try:
+        parsed = parse_payload(payload, current.size)
+        cls = codec_class_by_id(parsed.header.codec_id)
+        if cls is None:
+            raise ValueError(f"unknown codec id {parsed.header.codec_id}")
+        decoded = cls.decode_payload(parsed)
+    except ValueError as exc:
+        raise ReplicaError(f"{name}: {exc}") from exc
+    if tuple(decoded.shape) != current.shape:
+        raise ReplicaError(f"{name}: payload shape {tuple(decoded.shape)} != {current.shape}")
+    return decoded.numpy(), parsed.header.codec_id == _RAW.codec_id
+
+
+def move(current: np.ndarray, value: np.ndarray, raw: bool, scale: float) -> np.ndarray:
+    """A replica tensor after one decoded payload: the new value (raw), or current +
+    scale * difference in float32 (float64 for float64 models), the same on both sides."""
+    if raw:
+        return value.astype(current.dtype, copy=True)
+    work = np.result_type(current.dtype, np.float32)
+    moved = current.astype(work, copy=False) + work.type(scale) * value.astype(work, copy=False)
+    return moved.astype(current.dtype, copy=False)
+
+
 def apply_step(arrays: Mapping[str, np.ndarray], step: Step) -> dict[str, np.ndarray]:
-    """The replica after ``step`` (both halves call this: bit-identical results).
+    """The replica after ``step`` (the client's half; the server moves x_hat with the
+    same :func:`move`, so both are bit-identical).
 
     Raises
     ------
@@ -149,21 +188,8 @@ def apply_step(arrays: Mapping[str, np.ndarray], step: Step) -> dict[str, np.nda
         raise ReplicaError("the step's tensors are not the replica's")
     out = {}
     for name, current in arrays.items():
-        try:
-            decoded = decode_bytes(step.payloads[name], max_numel=current.size)
-        except ValueError as exc:
-            raise ReplicaError(f"{name}: {exc}") from exc
-        if tuple(decoded.shape) != current.shape:
-            raise ReplicaError(f"{name}: payload shape {tuple(decoded.shape)} != {current.shape}")
-        value = decoded.numpy()
-        if _is_raw(step.payloads[name]):
-            out[name] = value.astype(current.dtype, copy=True)
-            continue
-        # float32 arithmetic (float64 for float64 models), the same on both sides.
-        work = np.result_type(current.dtype, np.float32)
-        scale = work.type(step.scales.get(name, 1.0))
-        moved = current.astype(work, copy=False) + scale * value.astype(work, copy=False)
-        out[name] = moved.astype(current.dtype, copy=False)
+        value, raw = decode_payload_for(name, step.payloads[name], current)
+        out[name] = move(current, value, raw, step.scales.get(name, 1.0))
     return out
 
 
@@ -175,12 +201,6 @@ def contraction_scale(difference: np.ndarray, decoded: np.ndarray) -> float:
     d, q = difference.astype(np.float64).ravel(), decoded.astype(np.float64).ravel()
     qq = float(q @ q)
     return max(float(d @ q) / qq, 0.0) if qq > 0 else 1.0
-
-
-def _is_raw(payload: bytes) -> bool:
-    from fedcomp.codecs.wire import parse_payload
-
-    return parse_payload(payload).header.codec_id == _RAW.codec_id
 
 
 def encode_step(
@@ -223,7 +243,7 @@ class BroadcastServer:
         self.policy = policy
         self.run_seed = run_seed
         self.x_hat: dict[str, np.ndarray] | None = None
-        #: memory="none": the global model the last step was computed from.
+        #: memory="none" only: the global model the last step was computed from.
         self.previous: dict[str, np.ndarray] | None = None
         self.version = 0
         self.checksum = ""
@@ -240,7 +260,8 @@ class BroadcastServer:
         """Version 0 is the initial model, exactly (a no-op once started)."""
         if self.x_hat is None:
             self.x_hat = {k: np.array(v) for k, v in initial.items()}
-            self.previous = {k: np.array(v) for k, v in initial.items()}
+            if self.spec.memory == "none":
+                self.previous = {k: np.array(v) for k, v in initial.items()}
             self.checksum = checksum(self.x_hat)
             self.initial_checksum = self.checksum
 
@@ -250,7 +271,7 @@ class BroadcastServer:
 
     def advance(self, x_t: Mapping[str, np.ndarray]) -> Step:
         """Encode one step toward the new global model and move x_hat by it."""
-        if self.x_hat is None or self.previous is None:
+        if self.x_hat is None:
             raise RuntimeError("BroadcastServer.advance before start")
         # Error feedback: what x_hat lacks of x_t. None: the global update alone.
         base = self.x_hat if self.spec.memory == "error_feedback" else self.previous
@@ -261,17 +282,16 @@ class BroadcastServer:
         payloads = encode_step(
             x_t, differences, self.codec, self.policy, seed_parts=(self.run_seed, self.version + 1)
         )
-        scales = {}
-        if self.spec.memory == "error_feedback":
-            for name, payload in payloads.items():
-                if not _is_raw(payload):
-                    decoded = decode_bytes(payload).numpy()
-                    scales[name] = contraction_scale(differences[name], decoded)
-        step = Step(self.version, self.version + 1, payloads, "", scales)
-        x_hat = apply_step(self.x_hat, step)
-        step = Step(step.source, step.target, payloads, checksum(x_hat), scales)
+        scales, x_hat = {}, {}
+        for name, current in self.x_hat.items():  # each payload decoded once
+            value, raw = decode_payload_for(name, payloads[name], current)
+            if not raw and self.spec.memory == "error_feedback":
+                scales[name] = contraction_scale(differences[name], value)
+            x_hat[name] = move(current, value, raw, scales.get(name, 1.0))
+        step = Step(self.version, self.version + 1, payloads, checksum(x_hat), scales)
         self.x_hat, self.version, self.checksum = x_hat, step.target, step.checksum
-        self.previous = {k: np.array(v) for k, v in x_t.items()}
+        if self.spec.memory == "none":  # only the direct scheme needs x_{t-1}
+            self.previous = {k: np.array(v) for k, v in x_t.items()}
         self.history.append(step)
         while sum(s.nbytes for s in self.history) > self.full_nbytes and self.history:
             self.history.popleft()

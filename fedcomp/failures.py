@@ -91,3 +91,10 @@ class RunFailed(RuntimeError):
     global model whose central loss is no longer finite). Raised by
     ``CompressedStrategy.start`` after the last round; the round records are complete,
     so a caller can write them before reporting the failure."""
+
+
+def short_reason(reason: str, limit: int = 300) -> str:
+    """The informative last line of a (possibly multi-line, remote) error reason."""
+    lines = [line.strip() for line in str(reason).splitlines() if line.strip()]
+    text = lines[-1] if lines else ""
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,9 +1,10 @@
 """One atomic .npz writer for every piece of state kept on disk (client codec memories,
-the server's control-variate mirrors): written to a temporary file in the same folder,
-then renamed, so a crash leaves the previous complete file."""
+downlink replicas, the server's control-variate mirrors): written to a temporary file
+in the same folder, then renamed, so a crash leaves the previous complete file."""
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from collections.abc import Mapping
@@ -25,3 +26,24 @@ def write_npz_atomic(path: str | os.PathLike[str], arrays: Mapping[str, np.ndarr
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def write_npz_meta(
+    path: str | os.PathLike[str], meta: Mapping[str, object], arrays: Mapping[str, np.ndarray]
+) -> Path:
+    """Write JSON ``meta`` and ``arrays`` (in order) to ``path`` atomically."""
+    blob = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
+    return write_npz_atomic(path, {"meta": blob, **{f"a/{k}": v for k, v in arrays.items()}})
+
+
+def read_npz_meta(path: str | os.PathLike[str]) -> tuple[dict, dict[str, np.ndarray]] | None:
+    """What :func:`write_npz_meta` wrote (arrays in their order), or None without a file."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    with np.load(path) as data:
+        meta = json.loads(bytes(data["meta"]).decode())
+        arrays = {k[2:]: data[k] for k in data.files if k.startswith("a/")}
+        if not arrays:  # files written before the prefix: every array but the meta
+            arrays = {k: data[k] for k in data.files if k != "meta"}
+    return meta, arrays

@@ -18,7 +18,7 @@ from flwr.app import ConfigRecord, Message
 from fedcomp.codecs import Codec, Memory, TensorPolicy, make_codec_from_spec
 from fedcomp.codecs.residual import SYNC_FULL, SYNC_RESTART
 from fedcomp.controlvariates import ControlVariateServer
-from fedcomp.failures import Failure, failure_of
+from fedcomp.failures import Failure, failure_of, short_reason
 from fedcomp.flower.accounting import count, record_bytes
 from fedcomp.flower.joint import split_reply
 from fedcomp.flower.records import account_reply, empty_client_row
@@ -225,7 +225,10 @@ def _count_error_reply(state: RoundState, sid: int | None, msg: Message) -> None
     injected = re.search(FAULT_REASON_PREFIX + r"(\w+)", str(msg.error.reason))
     state.record.count_fault(injected.group(1) if injected else "error_reply")
     log.warning(
-        "round %d: client %s replied with an error: %s", state.number, sid, _short(msg.error.reason)
+        "round %d: client %s replied with an error: %s",
+        state.number,
+        sid,
+        short_reason(msg.error.reason),
     )
 
 
@@ -241,10 +244,3 @@ def _note_codecs(state: RoundState, codecs: dict[str, str]) -> None:
     """Record which codec each tensor travelled with (the first reply that says so)."""
     for name, codec in codecs.items():
         state.tensor_codecs.setdefault(name, codec)
-
-
-def _short(reason: str, limit: int = 300) -> str:
-    """The informative last line of a (possibly multi-line, remote) error reason."""
-    lines = [line.strip() for line in str(reason).splitlines() if line.strip()]
-    text = lines[-1] if lines else ""
-    return text if len(text) <= limit else text[: limit - 3] + "..."

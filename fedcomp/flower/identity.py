@@ -17,7 +17,7 @@ from flwr.app import ConfigRecord, Context, Error, Message, MessageType, RecordD
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
-from fedcomp.failures import RunFailed
+from fedcomp.failures import RunFailed, short_reason
 from fedcomp.flower.accounting import count
 from fedcomp.keys import (
     KEY_HANDLES,
@@ -184,7 +184,7 @@ class StableIds:
             if traffic is not None:
                 count(traffic, Kind.IDENTITY_REPLY, reply, client=None)
             if reply.has_error():
-                failures.append(str(reply.error.reason).strip().splitlines()[-1:][0][:300])
+                failures.append(short_reason(reply.error.reason))
                 log.warning("identity message to node %d failed: %s", node_id, failures[-1])
                 continue
             try:

@@ -9,7 +9,6 @@ nothing: its pending state is dropped and the committed one is used again.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import Any
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
-from fedcomp.npzfile import write_npz_atomic
+from fedcomp.npzfile import read_npz_meta, write_npz_meta
 
 STATE_COMMITTED = "fedcomp.memory.committed"
 STATE_PENDING = "fedcomp.memory.pending"
@@ -136,17 +135,15 @@ def save_memory_file(path: str | Path, memory: MemoryState) -> None:
     that restarts, or a resumed simulation, continues from the last complete write."""
     arrays = {f"c/{k}": v for k, v in memory.committed.items()}
     arrays.update({f"p/{k}": v for k, v in memory.pending.items()})
-    meta = np.frombuffer(json.dumps(memory.meta()).encode(), dtype=np.uint8)
-    write_npz_atomic(path, {"meta": meta, **arrays})
+    write_npz_meta(path, memory.meta(), arrays)
 
 
 def load_memory_file(path: str | Path) -> MemoryState | None:
     """Read a memory file (None when there is none)."""
-    path = Path(path)
-    if not path.exists():
+    saved = read_npz_meta(path)
+    if saved is None:
         return None
-    with np.load(path) as data:
-        meta = json.loads(bytes(data["meta"]).decode())
-        committed = {k[2:]: data[k] for k in data.files if k.startswith("c/")}
-        pending = {k[2:]: data[k] for k in data.files if k.startswith("p/")}
+    meta, arrays = saved
+    committed = {k[2:]: v for k, v in arrays.items() if k.startswith("c/")}
+    pending = {k[2:]: v for k, v in arrays.items() if k.startswith("p/")}
     return MemoryState.from_parts(meta, committed, pending)

@@ -153,6 +153,10 @@ def _joint_plan(
     return _JointPlan(index=index, clients=clients, taus=dict(zip(names, taus, strict=True)))
 
 
+def _as_numpy(record: ArrayRecord) -> dict[str, np.ndarray]:
+    return {k: np.asarray(v.numpy()) for k, v in record.items()}
+
+
 def _from_wrapper(msg: Message) -> bool:
     """True when the instruction carries fields of fedcomp's strategy wrapper."""
     return any(KEY_SETTINGS in c or KEY_DOWNLINK in c for c in msg.content.config_records.values())
@@ -343,13 +347,8 @@ class CompressionMod:
             return None
         try:
             path = self._replica_path(msg, ctxt)
-            initial = None
-            if self.initial_model is not None:
-                initial_model = self.initial_model
-
-                def initial() -> dict[str, np.ndarray]:
-                    return {k: np.asarray(v.numpy()) for k, v in initial_model(msg).items()}
-
+            build = self.initial_model
+            initial = (lambda: _as_numpy(build(msg))) if build is not None else None
             replica = rebuild_model(msg, load_replica(ctxt.state, path), initial)
             store_replica(ctxt.state, replica, path)
         except (ReplicaError, ValueError, KeyError, TypeError) as exc:

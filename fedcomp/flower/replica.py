@@ -33,7 +33,7 @@ from fedcomp.keys import (
     RECORD_DOWNLINK,
     RECORD_HEADER,
 )
-from fedcomp.npzfile import write_npz_atomic
+from fedcomp.npzfile import read_npz_meta, write_npz_meta
 
 #: Context.state records of the client's replica.
 RECORD_REPLICA = "fedcomp.replica"
@@ -174,10 +174,9 @@ def load_replica(state: RecordDict, path: Path | None) -> Replica:
         meta = state[RECORD_REPLICA_META]
         arrays = {k: np.asarray(v.numpy()) for k, v in state[RECORD_REPLICA].items()}
         return Replica(arrays, int(meta["version"]), str(meta["checksum"]))
-    if path is not None and path.exists():
-        with np.load(path) as data:
-            meta = json.loads(bytes(data["meta"]).decode())
-            arrays = {k[2:]: data[k] for k in meta["names"]}
+    saved = read_npz_meta(path) if path is not None else None
+    if saved is not None:
+        meta, arrays = saved
         return Replica(arrays, int(meta["version"]), str(meta["checksum"]))
     return Replica()
 
@@ -190,7 +189,4 @@ def store_replica(state: RecordDict, replica: Replica, path: Path | None) -> Non
         {"version": replica.version, "checksum": replica.checksum}
     )
     if path is not None:
-        meta = {"version": replica.version, "checksum": replica.checksum}
-        meta["names"] = [f"r/{k}" for k in arrays]
-        blob = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
-        write_npz_atomic(path, {"meta": blob, **{f"r/{k}": v for k, v in arrays.items()}})
+        write_npz_meta(path, {"version": replica.version, "checksum": replica.checksum}, arrays)
