@@ -26,6 +26,7 @@ from flwr.app import (
 from clients.client_app import make_client_app
 from experiments.inprocess import InProcessGrid, initial_arrays, set_task_identity
 from experiments.memory import address_space_cap, peak_rss, reset_peak_rss
+from fedcomp.aggregation import Aggregation
 from fedcomp.failures import Failure
 from fedcomp.flower.strategy import CompressedStrategy
 from fedcomp.keys import (
@@ -207,7 +208,7 @@ def run_round(
         make_inner_strategy({"name": "fedavg"}, N, fraction_evaluate=fraction_evaluate),
         codec=codec,
         run_seed=settings.seed,
-        handoff=handoff,
+        aggregation=Aggregation(handoff=handoff),
         task=client_task(settings),
         identity_timeout=5,
     )

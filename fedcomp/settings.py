@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Any, Union
 from fedcomp.rules import check_server_options, fail
 
 if TYPE_CHECKING:  # a runtime import would load torch for every settings user
+    from fedcomp.aggregation import Aggregation
+    from fedcomp.influence import Influence
     from fedcomp.trees.aggregate import TreeConfig
 
 JSON_PREFIX = "json:"
@@ -451,6 +453,24 @@ def tree_config(settings: Settings) -> TreeConfig:
         refresh_rounds=a.refresh_rounds,
         stats=a.stats,
     )
+
+
+def aggregation_of(settings: Settings) -> Aggregation:
+    """The wrapper's aggregation settings object (hand-off, tree, mirrors)."""
+    from fedcomp.aggregation import Aggregation
+
+    a = settings.aggregation
+    return Aggregation(
+        handoff=a.handoff, trees=tree_config(settings), mirror_dir=a.mirror_dir or None
+    )
+
+
+def influence_of(settings: Settings) -> Influence:
+    """The wrapper's influence bounds (weight cap, norm cap, rejection factor)."""
+    from fedcomp.influence import Influence
+
+    a = settings.aggregation
+    return Influence(weight_cap=a.weight_cap, norm_cap=a.norm_cap, reject_factor=a.reject_factor)
 
 
 # ---------------------------------------------------------------------------------

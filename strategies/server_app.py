@@ -26,15 +26,16 @@ from fedcomp.diagnostics import aggregate_error
 from fedcomp.failures import RunFailed
 from fedcomp.flower.records import fmt
 from fedcomp.flower.strategy import CompressedStrategy
-from fedcomp.influence import Influence
 from fedcomp.models import build_model
 from fedcomp.progress import ProgressReporter
+from fedcomp.reporting import Reporting
 from fedcomp.results import build_results, write_results
 from fedcomp.settings import (
     Settings,
+    aggregation_of,
+    influence_of,
     settings_from_run_config,
     settings_to_dict,
-    tree_config,
     validate,
 )
 from fedcomp.training import evaluate, select_device
@@ -135,21 +136,16 @@ def build_strategy(
             fraction_evaluate=settings.fraction_evaluate,
         ),
         codec=settings.codec,
-        downlink=settings.downlink,
         run_seed=settings.seed,
-        handoff=settings.aggregation.handoff,
+        aggregation=aggregation_of(settings),
+        influence=influence_of(settings),
+        downlink=settings.downlink,
         task=client_task(settings),
         policy=TensorPolicy(min_numel=settings.policy.min_numel),
-        mirror_dir=settings.aggregation.mirror_dir or None,
-        trees=tree_config(settings),
-        identity_timeout=settings.simulation.round_timeout,
-        on_round=on_round,
-        update_probe=_update_probe(settings.diagnostics_dir),
-        influence=Influence(
-            weight_cap=settings.aggregation.weight_cap,
-            norm_cap=settings.aggregation.norm_cap,
-            reject_factor=settings.aggregation.reject_factor,
+        reporting=Reporting(
+            on_round=on_round, update_probe=_update_probe(settings.diagnostics_dir)
         ),
+        identity_timeout=settings.simulation.round_timeout,
     )
 
 

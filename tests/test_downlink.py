@@ -261,7 +261,7 @@ def test_replicas_stay_bit_identical_through_faults_and_a_resume(tmp_path) -> No
     grid = InProcessGrid(make_client_app(), N, tamper=tamper)
     first = _strategy(settings)
     first.start(grid, initial_arrays(settings), num_rounds=3)
-    _assert_in_sync(first.broadcast, grid)
+    _assert_in_sync(first.replicas.server, grid)
 
     # A client whose replica was wiped (the node kept its id): its next model-free
     # instruction fails loudly, and it gets the model in full after that.
@@ -272,8 +272,8 @@ def test_replicas_stay_bit_identical_through_faults_and_a_resume(tmp_path) -> No
 
     victim = min(  # one that holds version >= 1 and is sampled in rounds 4 and 5 or 6
         s
-        for s in first.handles
-        if first.broadcast.confirmed.get(s, 0) > 0
+        for s in first.clients.handles
+        if first.replicas.server.confirmed.get(s, 0) > 0
         and s in sampled(4)
         and s in sampled(5) | sampled(6)
     )
@@ -282,13 +282,13 @@ def test_replicas_stay_bit_identical_through_faults_and_a_resume(tmp_path) -> No
         del grid.contexts[node].state[key]
     sent_before_wipe = len(grid.sent)
     first.start(grid, first.last_arrays, num_rounds=6, first_round=4)
-    _assert_in_sync(first.broadcast, grid)
+    _assert_in_sync(first.replicas.server, grid)
     # Resumed in a new server: what clients hold is learned again (x_hat in full).
     state = first.state_dict()
     resumed = _strategy(settings)
     resumed.load_state_dict(state)
     result = resumed.start(grid, first.last_arrays, num_rounds=10)
-    server = resumed.broadcast
+    server = resumed.replicas.server
     assert server.version == 10
     _assert_in_sync(server, grid)
     # x_t is Flower's result; x_hat tracks it within the codec's error.
@@ -379,9 +379,9 @@ def test_a_corrupted_step_is_never_trained_on_and_the_client_is_resynced() -> No
     ]
     assert to_victim[3].content["config"][KEY_DOWNLINK] == DOWNLINK_FULL
     assert strategy.rounds[3]["replied"] == N
-    _assert_in_sync(strategy.broadcast, grid)
+    _assert_in_sync(strategy.replicas.server, grid)
     # No evaluation in this run: every client holds the version before the last step.
-    assert {r.version for r in _replicas(grid).values()} == {strategy.broadcast.version - 1}
+    assert {r.version for r in _replicas(grid).values()} == {strategy.replicas.server.version - 1}
 
 
 def test_the_default_fp32_downlink_sends_the_inner_strategys_model_unchanged() -> None:
@@ -444,7 +444,7 @@ def test_every_inner_strategy_and_memory_codec_composes_with_the_downlink(
     assert {k: v.dtype for k, v in result.arrays.items()} == {
         k: v.dtype for k, v in initial.items()
     }
-    assert _assert_in_sync(strategy.broadcast, grid) >= N // 2
+    assert _assert_in_sync(strategy.replicas.server, grid) >= N // 2
 
 
 def test_seeded_initial_model_is_never_sent_and_replicas_stay_exact() -> None:
@@ -462,8 +462,8 @@ def test_seeded_initial_model_is_never_sent_and_replicas_stay_exact() -> None:
     ]
     assert set(modes) == {DOWNLINK_STEPS}
     assert not [r for r in grid.replies if r.has_error()]
-    assert _assert_in_sync(strategy.broadcast, grid) >= 2
-    full = strategy.broadcast.full_nbytes
+    assert _assert_in_sync(strategy.replicas.server, grid) >= 2
+    full = strategy.replicas.server.full_nbytes
     train_down = [r["traffic"]["train_instruction"] for r in strategy.rounds]
     assert all(k["wire_bytes"] < k["messages"] * full / 2 for k in train_down)
 
@@ -515,6 +515,6 @@ def test_a_restarted_device_resumes_its_replica_from_its_state_dir(tmp_path) -> 
     assert not [r for r in grid.replies if r.has_error()]
     modes = {m.content["config"][KEY_DOWNLINK] for m in _rounds(grid.sent[before:])}
     assert modes == {DOWNLINK_STEPS}
-    _assert_in_sync(strategy.broadcast, grid)
+    _assert_in_sync(strategy.replicas.server, grid)
     # No evaluation this run: every client holds the version before the last step.
-    assert {r.version for r in _replicas(grid).values()} == {strategy.broadcast.version - 1}
+    assert {r.version for r in _replicas(grid).values()} == {strategy.replicas.server.version - 1}

@@ -15,6 +15,7 @@ from fedcomp.flower.memory_state import MemoryState, load_memory
 from fedcomp.flower.strategy import CompressedStrategy
 from fedcomp.keys import KEY_STABLE_ID, RECORD_HEADER, RECORD_PAYLOAD
 from fedcomp.models import build_model
+from fedcomp.reporting import Reporting
 from fedcomp.settings import settings_from_dict
 from strategies.inner import make_inner_strategy
 from strategies.server_app import client_task
@@ -100,7 +101,7 @@ def test_a_lost_reply_desynchronizes_nothing() -> None:
         codec=settings.codec,
         run_seed=0,
         task=client_task(settings),
-        on_round=snapshot,
+        reporting=Reporting(on_round=snapshot),
     )
     original = strategy.configure_train
 

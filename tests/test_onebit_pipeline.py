@@ -12,6 +12,7 @@ from flwr.app import Array, ArrayRecord, Message, RecordDict
 
 from clients.client_app import make_client_app
 from experiments.inprocess import InProcessGrid, Spy, initial_arrays
+from fedcomp.aggregation import Aggregation
 from fedcomp.codecs import TensorPolicy
 from fedcomp.flower.joint import joint_names
 from fedcomp.flower.strategy import CompressedStrategy
@@ -55,7 +56,7 @@ def _run(num_rounds=1, tamper=None, spec=SPEC):
         make_inner_strategy({"name": "fedavg"}, N, fraction_evaluate=0.0),
         codec=settings.codec,
         run_seed=settings.seed,
-        handoff="pre_aggregated",
+        aggregation=Aggregation(handoff="pre_aggregated"),
         task=client_task(settings),
         identity_timeout=5,
     )
@@ -213,7 +214,7 @@ def test_joint_code_needs_pre_aggregated_handoff():
             make_inner_strategy({"name": "fedavg"}, 2),
             codec=SPEC,
             run_seed=1,
-            handoff="per_client",
+            aggregation=Aggregation(handoff="per_client"),
         )
 
 

@@ -24,6 +24,7 @@ from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
 from clients.client_app import make_client_app
 from experiments.inprocess import NODE_IDS, InProcessGrid, Spy, initial_arrays
+from fedcomp.aggregation import Aggregation
 from fedcomp.codecs import decode_bytes, make_codec
 from fedcomp.codecs.wire import HEADER_FIXED_BYTES
 from fedcomp.flower.mod import CompressionMod
@@ -37,6 +38,7 @@ from fedcomp.keys import (
 )
 from fedcomp.models import build_model
 from fedcomp.settings import Settings, settings_from_dict
+from fedcomp.trees.aggregate import TreeConfig
 from strategies.inner import make_inner_strategy
 from strategies.server_app import client_task, run_server
 
@@ -78,9 +80,8 @@ def one_round(
         ),
         codec=settings.codec,
         run_seed=settings.seed,
-        handoff=handoff,
+        aggregation=Aggregation(handoff=handoff, trees=trees or TreeConfig()),
         task=client_task(settings),
-        trees=trees,
         identity_timeout=5,
     )
     result = strategy.start(grid, _initial(settings), num_rounds=1)
@@ -139,7 +140,7 @@ def test_recorded_bytes_equal_the_real_messages() -> None:
     for msg in _train_only(grid.sent):
         sid = next(
             s
-            for s, n in ((s, strategy.ids.node_of(s)) for s in rows)
+            for s, n in ((s, strategy.clients.ids.node_of(s)) for s in rows)
             if n == msg.metadata.dst_node_id
         )
         wire = sum(len(o.deflate()) for o in get_all_nested_objects(msg).values())
@@ -305,7 +306,7 @@ def test_pre_aggregated_rejects_strategies_that_are_not_means() -> None:
             FedMedian(),
             codec={"name": "fp32"},
             run_seed=0,
-            handoff="pre_aggregated",
+            aggregation=Aggregation(handoff="pre_aggregated"),
         )
     with pytest.raises(ValueError, match="unknown codec"):
         CompressedStrategy(FedAvg(), codec={"name": "nope"}, run_seed=0)
@@ -562,7 +563,7 @@ def test_two_nodes_claiming_one_stable_id_are_refused_loudly(caplog) -> None:
     caplog.set_level(logging.ERROR, logger="fedcomp.flower.identity")
     strategy.start(grid, _initial(SETTINGS), num_rounds=1)
     assert any("both claim stable id 0" in m and "partition-id" in m for m in caplog.messages)
-    (refused,) = strategy.ids.refused  # the twin that answered second
+    (refused,) = strategy.clients.ids.refused  # the twin that answered second
     assert refused in (twin, original)
-    assert strategy.ids.stable_ids() == list(range(N - 1))
+    assert strategy.clients.ids.stable_ids() == list(range(N - 1))
     assert strategy.rounds[0]["replied"] == N - 1

@@ -83,7 +83,7 @@ def _assert_mirrors_match(strategy: CompressedStrategy, grid: InProcessGrid) -> 
         if mirror is None:
             assert memory.version == 0 and memory.pending_version == 0
             continue
-        acked = strategy.accepted_round.get(sid) == memory.pending_round
+        acked = strategy.clients.accepted_round.get(sid) == memory.pending_round
         arrays, version = (
             (memory.pending, memory.pending_version)
             if acked

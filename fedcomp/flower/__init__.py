@@ -8,10 +8,15 @@ The two lines a Flower app needs::
     strategy = CompressedStrategy(FedAvg(), codec={"name": "uniform", "bits": 4})  # server
 
 This subpackage is the only part of fedcomp that imports flwr; the algorithm core
-(codecs, one-bit code, control variates, trees) below it does not.
+(codecs, one-bit code, control variates, trees) below it does not. The wrapper's
+optional settings objects (``Aggregation``, ``Influence``, ``Reporting``) are Flower-free
+and re-exported here for convenience.
 """
 
+from fedcomp.aggregation import Aggregation
 from fedcomp.flower.mod import CompressionMod
 from fedcomp.flower.strategy import CompressedStrategy
+from fedcomp.influence import Influence
+from fedcomp.reporting import Reporting
 
-__all__ = ["CompressedStrategy", "CompressionMod"]
+__all__ = ["Aggregation", "CompressedStrategy", "CompressionMod", "Influence", "Reporting"]

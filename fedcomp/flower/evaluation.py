@@ -14,13 +14,6 @@ from fedcomp.flower.validation import ReplyError, check_evaluate_reply, majority
 
 log = logging.getLogger("fedcomp.flower.strategy")  # one logger for the wrapper's lines
 
-#: Aggregated client-evaluation metrics the round line shows as client accuracy and
-#: loss: the first name present (Flower's quickstarts use eval_acc/eval_loss, others
-#: accuracy/loss). Every aggregated metric is recorded in ``client_metrics`` anyway.
-ACCURACY_KEYS = ("eval_acc", "accuracy", "eval_accuracy", "acc")
-LOSS_KEYS = ("eval_loss", "loss")
-
-
 def first_present(metrics: MetricRecord, keys: tuple[str, ...]) -> float | None:
     for key in keys:
         if key in metrics and not isinstance(metrics[key], list):

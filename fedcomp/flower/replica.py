@@ -15,11 +15,21 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 
-from fedcomp.downlink import BroadcastServer, Replica, ReplicaError, Step, checksum
+from fedcomp.codecs import TensorPolicy
+from fedcomp.downlink import (
+    BroadcastServer,
+    DownlinkSpec,
+    Replica,
+    ReplicaError,
+    Step,
+    checksum,
+)
+from fedcomp.flower.accounting import wire_bytes
 from fedcomp.keys import (
     DOWNLINK_FULL,
     DOWNLINK_STEPS,
@@ -48,11 +58,17 @@ def _packed(data: bytes) -> Array:
 
 
 class ReplicaSender:
-    """Builds the downlink part of instructions from a :class:`BroadcastServer`."""
+    """The server's downlink: builds the model part of instructions from a
+    :class:`BroadcastServer`, moves x_hat after each round, reads what replies say."""
 
     def __init__(self, server: BroadcastServer) -> None:
         self.server = server
         self._full: tuple[int, ArrayRecord] | None = None
+
+    @classmethod
+    def of(cls, spec: DownlinkSpec, policy: TensorPolicy, run_seed: int) -> ReplicaSender | None:
+        """The sender for a downlink spec; None for ``fp32`` (Flower's own full model)."""
+        return cls(BroadcastServer(spec, policy, run_seed)) if spec.active else None
 
     def full_record(self) -> ArrayRecord:
         """x_hat as Flower arrays (made once per version, shared by the messages)."""
@@ -60,6 +76,24 @@ class ReplicaSender:
             x_hat = self.server.x_hat or {}
             self._full = (self.server.version, ArrayRecord({k: Array(v) for k, v in x_hat.items()}))
         return self._full[1]
+
+    def carry(self, msg: Message, client: int, *, model_free: bool) -> int:
+        """Replace ``msg``'s model by what the client's replica needs; return the wire
+        bytes of the fp32 instruction it replaces (the message's fp32 reference)."""
+        reference = wire_bytes(msg)
+        self.attach(msg.content, client, model_free=model_free)
+        return reference
+
+    def advance(self, x_t: Mapping[str, np.ndarray]) -> dict[str, Any]:
+        """Move x_hat one step towards the inner strategy's new model; the round's
+        ``downlink`` record."""
+        step = self.server.advance(x_t)
+        return {
+            "version": step.target,
+            "step_codec_bytes": step.nbytes,
+            "replica_drift": self.server.drift(x_t),
+            "history_steps": len(self.server.history),
+        }
 
     def attach(self, content: RecordDict, client: int, *, model_free: bool) -> str:
         """Replace the model in one instruction's content; return the mode used.

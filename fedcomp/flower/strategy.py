@@ -45,21 +45,17 @@ from flwr.serverapp.strategy import (
     Strategy,
 )
 
+from fedcomp.aggregation import Aggregation
 from fedcomp.codecs import (
     ResidualMemory,
     TensorPolicy,
     make_codec_from_spec,
 )
 from fedcomp.controlvariates import ControlVariateServer, MirrorStore
-from fedcomp.downlink import BroadcastServer, DownlinkSpec, parse_downlink
-from fedcomp.flower.accounting import count, record_bytes, wire_bytes
+from fedcomp.downlink import DownlinkSpec, parse_downlink
+from fedcomp.flower.accounting import count, record_bytes
 from fedcomp.flower.decoding import ReplyDecoder
-from fedcomp.flower.evaluation import (
-    ACCURACY_KEYS,
-    LOSS_KEYS,
-    first_present,
-    valid_evaluate_replies,
-)
+from fedcomp.flower.evaluation import first_present, valid_evaluate_replies
 from fedcomp.flower.guards import (
     all_finite,
     cap_weights,
@@ -70,7 +66,7 @@ from fedcomp.flower.guards import (
     print_through_flower,
 )
 from fedcomp.flower.handoff import make_handoff
-from fedcomp.flower.identity import StableIds
+from fedcomp.flower.holdings import ClientHoldings
 from fedcomp.flower.inner_state import inner_state_dict, load_inner_state_dict
 from fedcomp.flower.instructions import Instructions, Sampling, sample
 from fedcomp.flower.joint import plan_round
@@ -78,12 +74,12 @@ from fedcomp.flower.records import client_rows, empty_client_row, log_line, roun
 from fedcomp.flower.replica import ReplicaSender
 from fedcomp.flower.round_state import RoundState
 from fedcomp.influence import Influence
-from fedcomp.keys import KEY_HANDLES, RECORD_HEADER
 from fedcomp.onebit import OneBitCode
 from fedcomp.onebit.federated import JointServerState
+from fedcomp.reporting import Reporting
 from fedcomp.rules import check_server_options
 from fedcomp.traffic import Kind, Traffic
-from fedcomp.trees.aggregate import TreeConfig, TreeStats
+from fedcomp.trees.aggregate import TreeStats
 
 log = logging.getLogger(__name__)
 
@@ -98,31 +94,19 @@ class CompressedStrategy(Strategy):
     Parameters
     ----------
     strategy : Strategy
-        The inner Flower strategy (FedAvg, FedAdam, FedMedian, ...).
+        The inner Flower strategy (FedAvg, FedAdam, FedMedian, ...). Its sampling
+        settings are used (``fraction_train``, ``fraction_evaluate``,
+        ``min_train_nodes``, ``min_evaluate_nodes``, ``min_available_nodes``: the
+        wrapper waits for that many nodes, then samples over all connected ones,
+        seeded, by stable id).
     codec : Mapping
         Codec spec sent to the clients, e.g. ``{"name": "fp32"}`` (checked here).
     run_seed : int (default: 0, logged)
         Seed of all public randomness (client sampling, codec draws). Never Flower's
-        random run id. Sampling fractions and node counts are the inner strategy's
-        (``fraction_train``, ``fraction_evaluate``, ``min_train_nodes``,
-        ``min_evaluate_nodes``, ``min_available_nodes``: the wrapper waits for that
-        many nodes, then samples over all connected ones, seeded, by stable id).
-    handoff : {"per_client", "pre_aggregated"}
-        How decoded updates reach the inner strategy (see module docstring).
-    task : Mapping, optional
-        Settings the example ClientApp needs, sent JSON-encoded in every config.
-    policy : TensorPolicy, optional
-        Which tensors travel raw; sent to the clients (default: the mod's own).
-    mirror_dir : str, optional
-        Residual memory only: keep the clients' control-variate mirrors in this
-        directory (one file per client) instead of in memory.
-    trees : TreeConfig, optional
-        Pre-aggregated mode: reduce through variance-aware trees, possibly in bf16/fp16
-        (default: a float32 running sum in stable-id order).
-    identity_timeout : float
-        Seconds to wait for the inner strategy's ``min_available_nodes`` nodes.
-    on_round : callable, optional
-        Called with each finished round's record (the results.json round shape).
+        random run id.
+    aggregation : fedcomp.aggregation.Aggregation, optional
+        The hand-off (``per_client`` or ``pre_aggregated``), the reduction tree and the
+        residual mirrors' directory (default: per client, in memory).
     influence : fedcomp.influence.Influence, optional
         Bounds on one client's influence: the weight cap, the norm cap and the outlier
         rejection factor (default: no caps, rejection beyond 1000x the median norm).
@@ -130,10 +114,15 @@ class CompressedStrategy(Strategy):
         Downlink compression (fedcomp.downlink; docs/downlink.md), e.g.
         ``{"name": "uniform", "bits": 4}``; default ``fp32``: the full model in every
         instruction, as Flower sends it.
-    update_probe : callable, optional
-        Diagnostics: ``probe(round, global_arrays, new_arrays, stable_ids)`` returns
-        numbers recorded as the round's ``diagnostics`` (e.g. the aggregate's error
-        against the exact mean, fedcomp.diagnostics).
+    task : Mapping, optional
+        Settings the app's ClientApp needs, sent JSON-encoded until each client holds them.
+    policy : TensorPolicy, optional
+        Which tensors travel raw; sent to the clients (default: the mod's own).
+    reporting : fedcomp.reporting.Reporting, optional
+        Observers (``on_round``, ``update_probe``) and the client metric names the round
+        line shows.
+    identity_timeout : float
+        Seconds to wait for the inner strategy's ``min_available_nodes`` nodes.
     """
 
     def __init__(
@@ -142,29 +131,30 @@ class CompressedStrategy(Strategy):
         *,
         codec: Mapping[str, Any],
         run_seed: int = DEFAULT_RUN_SEED,
-        handoff: str = "per_client",
-        task: Mapping[str, Any] | None = None,
-        policy: TensorPolicy | None = None,
-        mirror_dir: str | None = None,
-        trees: TreeConfig | None = None,
-        identity_timeout: float = 600.0,
-        on_round: Callable[[dict[str, Any]], None] | None = None,
-        update_probe: Callable[..., Mapping[str, float]] | None = None,
+        aggregation: Aggregation | None = None,
         influence: Influence | None = None,
         downlink: DownlinkSpec | Mapping[str, Any] | None = None,
+        task: Mapping[str, Any] | None = None,
+        policy: TensorPolicy | None = None,
+        reporting: Reporting | None = None,
+        identity_timeout: float = 600.0,
     ) -> None:
         if not isinstance(strategy, Strategy):
             raise TypeError(f"strategy must be a Flower Strategy, found {type(strategy)}")
+        self.strategy = strategy
+        self.run_seed = run_seed
         #: Flower's sampling settings, read from the inner strategy (one source).
         self.sampling = Sampling.of(strategy)
+        self.aggregation = aggregation or Aggregation()
         self.influence = influence or Influence()
-        self.trees = trees or TreeConfig()
+        self.reporting = reporting or Reporting()
+        self.identity_timeout = identity_timeout
         # The same rules, and messages, as the settings check before Ray starts.
         check_server_options(
             codec_name=str(codec.get("name")),
-            handoff=handoff,
+            handoff=self.aggregation.handoff,
             strategy_name=type(strategy).__name__.lower(),
-            trees=self.trees,
+            trees=self.aggregation.trees,
             fraction_train=self.sampling.fraction_train,
             fraction_evaluate=self.sampling.fraction_evaluate,
             weight_cap=self.influence.weight_cap,
@@ -177,57 +167,12 @@ class CompressedStrategy(Strategy):
         if self.joint and policy is None:
             policy = TensorPolicy()  # sent, so client and server pick the same tensors
         self.policy = policy or TensorPolicy()
-        self.joint_state = JointServerState(prior=self.codec.tau_prior) if self.joint else None
-        self.strategy = strategy
-        self.run_seed = run_seed
-        self.handoff = handoff
-        self.instructions = Instructions(
-            self.codec.spec(), run_seed=run_seed, policy=policy, task=task
-        )
-        #: Last round whose reply each client (stable id) had accepted: the ack that
-        #: lets a client commit the state that reply produced.
-        self.accepted_round: dict[int, int] = {}
-        #: Residual memory: the server's mirrors of the clients' control variates.
-        self.cv = (
-            ControlVariateServer(self.codec, MirrorStore(mirror_dir or None))
-            if isinstance(self.codec, ResidualMemory)
-            else None
-        )
-        self.tree_stats = TreeStats()
-        self.identity_timeout = identity_timeout
-        self.on_round = on_round
-        self.update_probe = update_probe
-        self.ids = StableIds()
-        #: Downlink replica (None: the full fp32 model in every instruction, as Flower).
         self.downlink = (
             downlink
             if isinstance(downlink, DownlinkSpec)
             else parse_downlink(downlink or {"name": "fp32"})
         )
-        self.broadcast = (
-            BroadcastServer(self.downlink, self.policy, run_seed) if self.downlink.active else None
-        )
-        self.replicas = ReplicaSender(self.broadcast) if self.broadcast is not None else None
-        #: The message kinds each client's mod said it handles (reply headers).
-        self.handles: dict[int, frozenset[str]] = {}
-        # Collaborators, chosen once: reply decoding and the hand-over to the inner
-        # strategy (per client, plain mean, reduction tree or joint decode).
-        self.decoder = ReplyDecoder(
-            self.codec,
-            policy=policy,
-            run_seed=run_seed,
-            cv=self.cv,
-            stable_of=self.ids.stable_of,
-            reject_factor=self.influence.reject_factor,
-        )
-        self.handoff_impl = make_handoff(
-            handoff,
-            trees=self.trees,
-            tree_stats=self.tree_stats,
-            code=self.codec,
-            joint_state=self.joint_state,
-            run_seed=run_seed,
-        )
+        self._build_collaborators(policy, task)
         self.rounds: list[dict[str, Any]] = []
         self.initial_evaluation: dict[str, float] | None = None
         self._num_rounds = 0
@@ -241,6 +186,41 @@ class CompressedStrategy(Strategy):
         #: Messages exchanged between rounds (first contact), counted in the next one.
         self._pending_traffic = Traffic()
 
+    def _build_collaborators(
+        self, policy: TensorPolicy | None, task: Mapping[str, Any] | None
+    ) -> None:
+        """Choose every collaborator once, from the settings."""
+        self.joint_state = JointServerState(prior=self.codec.tau_prior) if self.joint else None
+        self.instructions = Instructions(
+            self.codec.spec(), run_seed=self.run_seed, policy=policy, task=task
+        )
+        #: Residual memory: the server's mirrors of the clients' control variates.
+        self.cv = (
+            ControlVariateServer(self.codec, MirrorStore(self.aggregation.mirror_dir or None))
+            if isinstance(self.codec, ResidualMemory)
+            else None
+        )
+        #: Downlink replicas (None: the full fp32 model in every instruction, as Flower).
+        self.replicas = ReplicaSender.of(self.downlink, self.policy, self.run_seed)
+        self.clients = ClientHoldings(self.instructions.shared, self.replicas)
+        self.tree_stats = TreeStats()
+        self.decoder = ReplyDecoder(
+            self.codec,
+            policy=policy,
+            run_seed=self.run_seed,
+            cv=self.cv,
+            stable_of=self.clients.ids.stable_of,
+            reject_factor=self.influence.reject_factor,
+        )
+        self.handoff_impl = make_handoff(
+            self.aggregation.handoff,
+            trees=self.aggregation.trees,
+            tree_stats=self.tree_stats,
+            code=self.codec,
+            joint_state=self.joint_state,
+            run_seed=self.run_seed,
+        )
+
     # ------------------------------------------------------------------ lifecycle
 
     def summary(self) -> None:
@@ -250,7 +230,7 @@ class CompressedStrategy(Strategy):
             "for %d nodes",
             self.instructions.codec_json,
             json.dumps({**self.downlink.codec, "memory": self.downlink.memory}),
-            self.handoff,
+            self.aggregation.handoff,
             self.run_seed,
             self.sampling.fraction_train,
             self.sampling.min_train_nodes,
@@ -313,20 +293,12 @@ class CompressedStrategy(Strategy):
 
     def _refresh_ids(self, grid: Grid) -> None:
         """Learn the stable ids of newly connected nodes (counted in the next round)."""
-        self.ids.refresh(
+        self.clients.refresh(
             grid,
             expected=self.sampling.min_available_nodes,
             timeout=self.identity_timeout,
             traffic=self._pending_traffic,
         )
-        for sid in sorted(self.ids.moved):  # a restarted node: assume it holds nothing
-            self.instructions.shared.forget(sid)
-            self.handles.pop(sid, None)
-            if self.broadcast is not None:
-                self.broadcast.forget(sid)
-        self.ids.moved.clear()
-        self.handles.update(self.ids.handles)  # declared at first contact
-        self.ids.handles.clear()
 
     def _sample(self, server_round: int, fraction: float, purpose: str) -> list[int]:
         minimum = (
@@ -334,7 +306,7 @@ class CompressedStrategy(Strategy):
             if purpose == "train-sample"
             else self.sampling.min_evaluate_nodes
         )
-        ids = self.ids.stable_ids()
+        ids = self.clients.ids.stable_ids()
         return sample(ids, fraction, self.run_seed, purpose, server_round, minimum=minimum)
 
     def _messages(
@@ -345,22 +317,12 @@ class CompressedStrategy(Strategy):
             stable_ids,
             server_round,
             kind,
-            node_of=self.ids.node_of,
-            ack_round=lambda sid: self.accepted_round.get(sid, -1),
+            node_of=self.clients.ids.node_of,
+            ack_round=self.clients.ack_round,
             resync=lambda sid: self.cv is not None and sid in self.cv.resync_requested,
             plan=self._state.joint if self._state is not None else None,
-            restores=lambda sid: kind in self.handles.get(sid, ()),
+            restores=lambda sid: self.clients.handles_kind(sid, kind),
         )
-
-    def _carry_replica(self, msg: Message, sid: int, *, model_free: bool) -> int | None:
-        """Downlink replica: replace the instruction's model by what the client's
-        replica needs; return the wire bytes of the fp32 instruction it replaces (the
-        fp32 reference), None without a replica (the message is its own reference)."""
-        if self.replicas is None:
-            return None
-        reference = wire_bytes(msg)
-        self.replicas.attach(msg.content, sid, model_free=model_free)
-        return reference
 
     def _evaluate_replica(
         self,
@@ -383,24 +345,6 @@ class CompressedStrategy(Strategy):
         if result is not None and "accuracy" in result:
             state.record.replica_accuracy = float(result["accuracy"])
 
-    def _note_replies(self, replies: list[Message]) -> None:
-        """What each reply's header says its client holds: the message kinds its mod
-        handles, the run settings (fedcomp.flower.shared_settings) and the replica
-        (fedcomp.flower.replica). An error reply makes both unknown."""
-        for msg in replies:
-            sid = self.ids.stable_of(msg.metadata.src_node_id)
-            if sid is None:
-                continue
-            if self.replicas is not None:
-                self.replicas.note_reply(sid, msg)
-            if msg.has_error():
-                self.instructions.shared.forget(sid)
-                continue
-            header = msg.content.config_records.get(RECORD_HEADER)
-            self.instructions.shared.note_reply(sid, header)
-            if header is not None and KEY_HANDLES in header:
-                self.handles[sid] = frozenset(str(header[KEY_HANDLES]).split(","))
-
     # ------------------------------------------------------------------ training
 
     def configure_train(
@@ -414,8 +358,8 @@ class CompressedStrategy(Strategy):
         state.traffic, self._pending_traffic = self._pending_traffic, Traffic()
         state.global_arrays = {k: np.asarray(v.numpy()) for k, v in arrays.items()}
         self._state = state
-        if self.broadcast is not None:
-            self.broadcast.start(state.global_arrays)  # version 0 is the initial model
+        if self.replicas is not None:
+            self.replicas.server.start(state.global_arrays)  # version 0: the initial model
         template = list(self.strategy.configure_train(server_round, arrays, config, grid))
         if not template:
             return []
@@ -426,7 +370,7 @@ class CompressedStrategy(Strategy):
             )
         state.sent = self._messages(template, selected, server_round, MessageType.TRAIN)
         for sid, msg in state.sent.items():
-            fp32 = self._carry_replica(msg, sid, model_free=True)
+            fp32 = self.replicas.carry(msg, sid, model_free=True) if self.replicas else None
             row = state.per_client.setdefault(sid, empty_client_row(sid))
             row["downlink_record_bytes"] = record_bytes(msg.content)
             row["downlink_wire_bytes"] = count(
@@ -445,10 +389,10 @@ class CompressedStrategy(Strategy):
             raise RuntimeError("aggregate_train called without configure_train for this round")
         t0 = time.perf_counter()
         replies = list(replies)
-        self._note_replies(replies)
+        self.clients.note_replies(replies)
         decoded = self.decoder.decode_all(replies, state)
         decoded = self.decoder.drop_outliers(decoded, state)
-        self.decoder.accept(decoded, state, self.accepted_round)
+        self.decoder.accept(decoded, state, self.clients.accepted_round)
         decode_s = time.perf_counter() - t0
 
         state.record.capped = cap_weights(decoded, self.influence.weight_cap)
@@ -469,10 +413,10 @@ class CompressedStrategy(Strategy):
             )
             state.record.aggregate_nonfinite = 1
             arrays, metrics = None, None
-        if self.update_probe is not None and arrays is not None:
+        if self.reporting.update_probe is not None and arrays is not None:
             new_arrays = {k: np.asarray(v.numpy()) for k, v in arrays.items()}
             state.record.diagnostics = dict(
-                self.update_probe(
+                self.reporting.update_probe(
                     server_round,
                     state.global_arrays,
                     new_arrays,
@@ -481,16 +425,10 @@ class CompressedStrategy(Strategy):
             )
         state.record.replied = len(decoded)
         state.record.decode_s, state.record.aggregate_s = decode_s, aggregate_s
-        if self.broadcast is not None and arrays is not None:
+        if self.replicas is not None and arrays is not None:
             # x_t is the inner strategy's; the clients move to x_hat by one step.
             new_arrays = {k: np.asarray(v.numpy()) for k, v in arrays.items()}
-            step = self.broadcast.advance(new_arrays)
-            state.record.downlink = {
-                "version": step.target,
-                "step_codec_bytes": step.nbytes,
-                "replica_drift": self.broadcast.drift(new_arrays),
-                "history_steps": len(self.broadcast.history),
-            }
+            state.record.downlink = self.replicas.advance(new_arrays)
         return arrays, metrics
 
     def state_dict(self) -> dict[str, Any]:
@@ -501,7 +439,7 @@ class CompressedStrategy(Strategy):
         and the last completed round. Not what each client holds (a resumed run is a
         new Flower run, with empty Context.state on every node)."""
         return {
-            "accepted_round": dict(self.accepted_round),
+            "accepted_round": dict(self.clients.accepted_round),
             "cv": self.cv.state_dict() if self.cv is not None else None,
             "tree_stats": self.tree_stats.state_dict(),
             "joint": self.joint_state.state_dict() if self.joint_state is not None else None,
@@ -509,7 +447,7 @@ class CompressedStrategy(Strategy):
             "rounds": list(self.rounds),
             "initial_evaluation": self.initial_evaluation,
             "completed_round": self.rounds[-1]["round"] if self.rounds else 0,
-            "broadcast": self.broadcast.state_dict() if self.broadcast is not None else None,
+            "broadcast": self.replicas.server.state_dict() if self.replicas else None,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -519,19 +457,16 @@ class CompressedStrategy(Strategy):
         self.rounds = list(state["rounds"])
         self.initial_evaluation = state["initial_evaluation"]
         self._completed_round = int(state["completed_round"])
-        self.accepted_round = {int(k): int(v) for k, v in state["accepted_round"].items()}
+        self.clients.accepted_round = {int(k): int(v) for k, v in state["accepted_round"].items()}
         if self.cv is not None and state.get("cv") is not None:
             self.cv.load_state_dict(state["cv"])
         if "tree_stats" in state:
             self.tree_stats.load_state_dict(state["tree_stats"])
         if self.joint_state is not None and state.get("joint") is not None:
             self.joint_state.load_state_dict(state["joint"])
-        if self.broadcast is not None and state.get("broadcast") is not None:
-            self.broadcast.load_state_dict(state["broadcast"])
-            # A resumed run is a new Flower run: every client's Context.state starts
-            # empty, so what the clients held (settings, replicas, the kinds their mod
-            # handles) is learned again; the first instructions carry it all in full.
-            self.broadcast.confirmed.clear()
+        if self.replicas is not None and state.get("broadcast") is not None:
+            self.replicas.server.load_state_dict(state["broadcast"])
+            self.clients.forget_all_replicas()  # a new Flower run: Context.state is empty
 
     # ------------------------------------------------------------------ evaluation
 
@@ -549,9 +484,9 @@ class CompressedStrategy(Strategy):
             # Model-free to mods that declared they rebuild evaluate instructions; with
             # a seeded initial model the server already counts on the clients' mods, so
             # also to clients it has not heard from yet.
-            seeded = self.downlink.initial == "seeded" and sid not in self.handles
-            model_free = seeded or MessageType.EVALUATE in self.handles.get(sid, ())
-            fp32 = self._carry_replica(msg, sid, model_free=model_free)
+            seeded = self.downlink.initial == "seeded" and sid not in self.clients.handles
+            model_free = seeded or self.clients.handles_kind(sid, MessageType.EVALUATE)
+            fp32 = self.replicas.carry(msg, sid, model_free=model_free) if self.replicas else None
             if self._state is not None and self._state.number == server_round:
                 count(
                     self._state.traffic,
@@ -572,17 +507,17 @@ class CompressedStrategy(Strategy):
         carry): Flower's aggregation raises on inconsistent replies, which would end
         the ServerApp. A failed evaluation never stops the run. Every aggregated metric
         is recorded (``client_metrics``); the round line shows the first of
-        ``ACCURACY_KEYS`` and ``LOSS_KEYS`` present.
+        ``reporting.accuracy_keys`` and ``reporting.loss_keys`` present.
         """
         server_round += self._offset
         replies = list(replies)
-        self._note_replies(replies)
+        self.clients.note_replies(replies)
         if self._state is not None and self._state.number == server_round:
             for msg in replies:
-                sid = self.ids.stable_of(msg.metadata.src_node_id)
+                sid = self.clients.ids.stable_of(msg.metadata.src_node_id)
                 count(self._state.traffic, Kind.EVALUATE_REPLY, msg, client=sid)
         valid = valid_evaluate_replies(
-            replies, server_round, stable_of=self.ids.stable_of, asked=self._evaluate_sent
+            replies, server_round, stable_of=self.clients.ids.stable_of, asked=self._evaluate_sent
         )
         try:
             metrics = self.strategy.aggregate_evaluate(server_round, valid)
@@ -592,8 +527,8 @@ class CompressedStrategy(Strategy):
         if self._state is not None and self._state.number == server_round and metrics:
             record = self._state.record
             record.client_metrics = {k: v for k, v in metrics.items() if not isinstance(v, list)}
-            record.client_accuracy = first_present(metrics, ACCURACY_KEYS)
-            record.client_loss = first_present(metrics, LOSS_KEYS)
+            record.client_accuracy = first_present(metrics, self.reporting.accuracy_keys)
+            record.client_loss = first_present(metrics, self.reporting.loss_keys)
         return metrics
 
     # ------------------------------------------------------------------ round records
@@ -640,5 +575,5 @@ class CompressedStrategy(Strategy):
             log.warning("%s | NO REPLY ACCEPTED: the model did not change", line)
         else:
             log.info(line)
-        if self.on_round is not None:
-            self.on_round(record)
+        if self.reporting.on_round is not None:
+            self.reporting.on_round(record)

@@ -1,0 +1,83 @@
+"""What the server knows each client holds, in one place.
+
+A client is known by its stable id (learned at first contact, fedcomp.flower.identity).
+Beyond it the server tracks what decides the next instruction's shape: the message
+kinds the client's mod handles (declared in reply headers), whether it holds the run
+settings (fedcomp.flower.shared_settings), which downlink replica it holds
+(fedcomp.flower.replica), and the last round whose reply was accepted (the
+acknowledgement that lets the client commit the state that reply produced).
+
+A node that disconnects or reconnects under a new node id is assumed to hold nothing;
+an error reply makes its settings and replica unknown.
+"""
+
+from __future__ import annotations
+
+from flwr.app import Message
+from flwr.serverapp import Grid
+
+from fedcomp.flower.identity import StableIds
+from fedcomp.flower.replica import ReplicaSender
+from fedcomp.flower.shared_settings import SharedSettings
+from fedcomp.keys import KEY_HANDLES, RECORD_HEADER
+from fedcomp.traffic import Traffic
+
+
+class ClientHoldings:
+    """Stable ids, declared message kinds, held settings, replicas and acks."""
+
+    def __init__(self, shared: SharedSettings, replicas: ReplicaSender | None) -> None:
+        self.ids = StableIds()
+        self.shared = shared
+        self.replicas = replicas
+        #: The message kinds each client's mod said it handles.
+        self.handles: dict[int, frozenset[str]] = {}
+        #: Last round whose reply each client had accepted (the ack).
+        self.accepted_round: dict[int, int] = {}
+
+    def handles_kind(self, stable_id: int, kind: str) -> bool:
+        """Whether the client's mod declared it rebuilds ``kind`` instructions."""
+        return kind in self.handles.get(stable_id, ())
+
+    def ack_round(self, stable_id: int) -> int:
+        return self.accepted_round.get(stable_id, -1)
+
+    def refresh(self, grid: Grid, *, expected: int, timeout: float, traffic: Traffic) -> None:
+        """Learn the stable ids of newly connected nodes (the messages are counted in
+        ``traffic``); a restarted node is assumed to hold nothing."""
+        self.ids.refresh(grid, expected=expected, timeout=timeout, traffic=traffic)
+        for sid in sorted(self.ids.moved):
+            self.forget(sid)
+        self.ids.moved.clear()
+        self.handles.update(self.ids.handles)  # declared at first contact
+        self.ids.handles.clear()
+
+    def forget(self, stable_id: int) -> None:
+        """The client holds nothing the server sent it (a wiped or restarted node)."""
+        self.shared.forget(stable_id)
+        self.handles.pop(stable_id, None)
+        if self.replicas is not None:
+            self.replicas.server.forget(stable_id)
+
+    def note_replies(self, replies: list[Message]) -> None:
+        """What each reply's header says its client holds; an error reply makes the
+        settings and the replica unknown."""
+        for msg in replies:
+            sid = self.ids.stable_of(msg.metadata.src_node_id)
+            if sid is None:
+                continue
+            if self.replicas is not None:
+                self.replicas.note_reply(sid, msg)
+            if msg.has_error():
+                self.shared.forget(sid)
+                continue
+            header = msg.content.config_records.get(RECORD_HEADER)
+            self.shared.note_reply(sid, header)
+            if header is not None and KEY_HANDLES in header:
+                self.handles[sid] = frozenset(str(header[KEY_HANDLES]).split(","))
+
+    def forget_all_replicas(self) -> None:
+        """A resumed run is a new Flower run: every client's Context.state starts
+        empty, so the first instructions carry the replica in full."""
+        if self.replicas is not None:
+            self.replicas.server.confirmed.clear()
