@@ -11,7 +11,7 @@ from flwr.serverapp.strategy import FedAvg
 
 from experiments.inprocess import InProcessGrid
 from experiments.runtime import PROJECT_ROOT
-from fedcomp.flower import CompressedStrategy
+from fedcomp.flower import CompressedStrategy, Reporting
 
 sys.path.insert(0, str(PROJECT_ROOT / "examples" / "numpy_logreg"))
 from numpy_logreg.client_app import app as client_app
@@ -44,3 +44,25 @@ def test_a_float64_numpy_app_keeps_its_dtypes_and_learns(codec: dict, downlink: 
     assert out["steps"].tolist() == [3]  # integer counters travel exactly
     assert all(r["replied"] == N and not r["rejected"] for r in strategy.rounds)
     assert strategy.rounds[-1]["client_accuracy"] > 0.7  # fp32: 0.93 after 3 rounds
+
+
+def test_the_round_line_shows_the_client_metrics_the_reporting_settings_name() -> None:
+    """Every aggregated client metric is recorded; ``Reporting`` chooses which one is
+    ``client_accuracy`` and ``client_loss`` (here deliberately crossed: this app reports
+    only ``accuracy``, which is then shown as the loss)."""
+    strategy = CompressedStrategy(
+        FedAvg(min_available_nodes=N),
+        codec={"name": "fp32"},
+        reporting=Reporting(accuracy_keys=("no_such_metric",), loss_keys=("x", "accuracy")),
+        identity_timeout=5,
+    )
+    strategy.start(InProcessGrid(client_app, N), initial_arrays(), num_rounds=1)
+    (record,) = strategy.rounds
+    assert record["client_loss"] == record["client_metrics"]["accuracy"] > 0
+    assert record["client_accuracy"] is None
+
+
+@pytest.mark.parametrize("keys", ["accuracy", ("accuracy", "")])
+def test_reporting_refuses_metric_names_that_are_not_a_tuple_of_names(keys) -> None:
+    with pytest.raises(ValueError, match=r"accuracy_keys=.*tuple of metric names"):
+        Reporting(accuracy_keys=keys)
