@@ -36,6 +36,9 @@ SPECS = {
     "sign": {"name": "sign", "block": 64},
     "topk": {"name": "topk", "fraction": 0.1},
     "randk": {"name": "randk", "fraction": 0.25},
+    "eden1": {"name": "eden", "bits": 1, "block": 256},
+    "eden3mse": {"name": "eden", "bits": 3, "scale": "mse", "block": 512, "rotations": 2},
+    "rotate_uniform2": {"name": "rotate", "inner": "uniform", "bits": 2, "block": 64},
 }
 
 
@@ -84,7 +87,12 @@ def test_roundtrip_keeps_shape_and_dtype(key: str, kind: str) -> None:
     assert torch.isfinite(y).all()
     if kind in ("all_zero", "empty"):
         assert torch.equal(y, torch.zeros_like(x))
-    if kind == "constant" and not key.startswith(("qsgd", "topk", "randk", "dither")):
+    rotated = key.startswith(("eden", "rotate"))  # a rotated constant is not constant
+    if (
+        kind == "constant"
+        and not rotated
+        and not key.startswith(("qsgd", "topk", "randk", "dither"))
+    ):
         # max|x|- and mean|x|-scaled codes put a constant block exactly on a level
         # (subtractive dither does not: its error is uniform on a step whatever x is).
         assert torch.allclose(y, x, rtol=1e-2)
@@ -122,6 +130,17 @@ def _layout_size(key: str, x: torch.Tensor) -> int:
         return header + 4 + 4 * math.ceil(n / spec["block"]) + math.ceil(n / 8)
     if name == "randk":
         return header + 8 + 4 * max(1, math.ceil(spec["fraction"] * n))
+    if name in ("eden", "rotate"):
+        # rotation blocks: full blocks of `block`, then the tail padded to a multiple of
+        # 256 and cut into powers of two (so the tail's blocks are its binary digits)
+        block = spec["block"] if name == "eden" else 1024
+        full, rest = divmod(n, block)
+        tail = math.ceil(rest / 256) * 256
+        padded, blocks = full * block + tail, full + bin(tail).count("1")
+        if name == "eden":
+            return header + 8 + 4 * blocks + math.ceil(padded * spec["bits"] / 8)
+        inner = 16 + 4 + 6 + 4 * math.ceil(padded / spec["block"]) + padded * spec["bits"] // 8
+        return header + 8 + inner
     raise AssertionError(name)
 
 

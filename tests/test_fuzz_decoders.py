@@ -45,6 +45,10 @@ SPECS = [
     {"name": "sign", "block": 16},
     {"name": "topk", "fraction": 0.2},
     {"name": "randk", "fraction": 0.3},
+    {"name": "eden", "bits": 1, "block": 256},
+    {"name": "eden", "bits": 3, "scale": "mse", "block": 512, "rotations": 1},
+    {"name": "rotate", "inner": "uniform", "bits": 2, "block": 16, "rotation_block": 256},
+    {"name": "rotate", "inner": "dither", "bits": 1, "block": 32, "rotations": 2},
 ]
 RUN_SEED, ROUND, CLIENT, NAME = 3, 2, 5, "w"
 

@@ -19,7 +19,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from fedcomp.codecs import dense as _dense  # noqa: F401  (registers raw, fp32, fp16, bf16)
+from fedcomp.codecs import eden as _eden  # noqa: F401  (eden)
 from fedcomp.codecs import quantizers as _quantizers  # noqa: F401  (uniform, qsgd, sign)
+from fedcomp.codecs import rotated as _rotated  # noqa: F401  (rotate)
 from fedcomp.codecs import sparse as _sparse  # noqa: F401  (topk, randk)
 from fedcomp.codecs.base import (
     Codec,
@@ -31,6 +33,7 @@ from fedcomp.codecs.base import (
 from fedcomp.codecs.memory import ErrorFeedback, Memory
 from fedcomp.codecs.policy import TensorPolicy
 from fedcomp.codecs.residual import ResidualMemory
+from fedcomp.codecs.rotated import RotatedCodec
 from fedcomp.codecs.wire import Payload, PayloadError, PayloadHeader, parse_payload
 from fedcomp.rules import JOINT_CODES as _JOINT_CODES
 
@@ -58,12 +61,25 @@ def _check_params(name: str, params: Mapping[str, Any], accepted: set[str]) -> N
         )
 
 
+def _make_rotated(params: dict[str, Any]) -> RotatedCodec:
+    """``rotate`` around a stateless codec: its own keys, the rest go to the inner one."""
+    inner = params.pop("inner", None)
+    rotation = {k: params.pop(k) for k in ("rotations", "rotation_block") if k in params}
+    if not isinstance(inner, str) or inner in MEMORIES or inner in JOINT_CODES or inner == "rotate":
+        raise ValueError(
+            f"rotate needs inner=<stateless codec name> (not a memory, a joint code or "
+            f"rotate), got inner={inner!r}"
+        )
+    return RotatedCodec(make_codec(inner, **params), **rotation)
+
+
 def make_codec(name: str, **params: Any) -> Codec | Memory | Any:
     """Build a codec (or a memory around one) by name, validating its parameters.
 
     ``make_codec("ef", inner="sign", block=256)`` builds error feedback around
-    ``make_codec("sign", block=256)``; ``make_codec("onebit", bits=1)`` returns the
-    joint :class:`fedcomp.onebit.OneBitCode`.
+    ``make_codec("sign", block=256)``; ``make_codec("rotate", inner="uniform", bits=2)``
+    a randomized Hadamard rotation in front of ``uniform``; ``make_codec("onebit", bits=1)``
+    returns the joint :class:`fedcomp.onebit.OneBitCode`.
 
     Raises
     ------
@@ -72,6 +88,8 @@ def make_codec(name: str, **params: Any) -> Codec | Memory | Any:
     """
     if name in JOINT_CODES:
         return make_joint_code(name, **params)
+    if name == RotatedCodec.name:
+        return _make_rotated(params)
     if name in MEMORIES:
         inner = params.pop("inner", None)
         if not isinstance(inner, str) or inner in MEMORIES:

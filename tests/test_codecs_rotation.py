@@ -1,0 +1,252 @@
+"""The rotation stage and EDEN: the Hadamard transform against the dense matrix, the
+padding rule, exact inversion, the Lloyd-Max fixed point, EDEN's normalized MSE at
+1 bit (pi/2 - 1), unbiasedness by Monte Carlo with tolerances from the measured
+variance, the least-squares scale's shrinkage, and bad input on both halves."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord
+
+from fedcomp.codecs import PayloadError, TensorPolicy, decode_bytes, make_codec
+from fedcomp.codecs.eden import lloyd_max_normal
+from fedcomp.codecs.rotation import MIN_BLOCK, block_sizes, hadamard, rotate, unrotate
+from fedcomp.codecs.wire import SpecMismatch
+from fedcomp.flower.validation import decode_payloads
+from fedcomp.rng import derive_seed
+
+
+def _sylvester(n: int) -> np.ndarray:
+    """The orthonormal Hadamard matrix by Kronecker products, in float64."""
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.kron(np.array([[1.0, 1.0], [1.0, -1.0]]), h)
+    return h / math.sqrt(n)
+
+
+@pytest.mark.parametrize("n", [1, 2, 64, 128, 1024, 4096])
+def test_hadamard_equals_the_dense_matrix(n: int) -> None:
+    x = torch.randn(3, n, generator=torch.Generator().manual_seed(n))
+    want = x.double().numpy() @ _sylvester(n)
+    got = hadamard(x).double().numpy()
+    assert np.abs(got - want).max() <= 1e-5 * max(1.0, np.abs(want).max())
+
+
+def test_large_hadamard_blocks_are_orthonormal_involutions() -> None:
+    x = torch.randn(1, 1 << 18, generator=torch.Generator().manual_seed(0))
+    y = hadamard(x)
+    assert abs(float(y.norm() / x.norm()) - 1) < 1e-5
+    assert float((hadamard(y) - x).abs().max()) < 1e-4
+    # against the dense transform on one 2^12 sub-structure: first row of H is constant
+    assert abs(float(y[0, 0]) - float(x.sum()) / math.sqrt(x.numel())) < 1e-3
+
+
+@pytest.mark.parametrize("block", [256, 1024, 1 << 16])
+@pytest.mark.parametrize("numel", [1, 255, 256, 257, 1000, 1024, 5000, 70_001])
+def test_blocks_are_powers_of_two_with_padding_below_the_minimum_block(
+    numel: int, block: int
+) -> None:
+    sizes = block_sizes(numel, block)
+    padded = sum(sizes)
+    assert numel <= padded < numel + MIN_BLOCK
+    assert all(s & (s - 1) == 0 and MIN_BLOCK <= s <= block for s in sizes)
+    assert sizes == sorted(sizes, reverse=True)
+
+
+@pytest.mark.parametrize("rotations", [1, 2])
+def test_rotation_is_orthogonal_and_inverted_exactly(rotations: int) -> None:
+    x = torch.randn(3001, generator=torch.Generator().manual_seed(1))
+    y = rotate(x, seed=9, block=1024, rotations=rotations)
+    assert y.numel() == sum(block_sizes(x.numel(), 1024))
+    assert abs(float(y.norm() / x.norm()) - 1) < 1e-5
+    back = unrotate(y, numel=x.numel(), seed=9, block=1024, rotations=rotations)
+    assert float((back - x).abs().max()) < 1e-5
+    other = rotate(x, seed=10, block=1024, rotations=rotations)
+    assert not torch.allclose(y, other)  # the seed draws the signs
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_lloyd_max_centroids_are_the_conditional_means_of_their_cells(bits: int) -> None:
+    centroids, thresholds = lloyd_max_normal(bits)
+    assert np.allclose(centroids, -centroids[::-1])  # symmetric
+    assert np.allclose(thresholds, (centroids[1:] + centroids[:-1]) / 2)
+    # conditional means by numerical integration on a fine grid (independent of the code)
+    t = np.linspace(-12, 12, 2_400_001)
+    pdf = np.exp(-t * t / 2)
+    cell = np.searchsorted(thresholds, t)
+    for k, c in enumerate(centroids):
+        mask = cell == k
+        assert abs(np.sum(t[mask] * pdf[mask]) / np.sum(pdf[mask]) - c) < 1e-5
+    if bits == 1:
+        assert abs(centroids[1] - math.sqrt(2 / math.pi)) < 1e-12
+
+
+def _student_t(n: int, seed: int) -> torch.Tensor:
+    gen = np.random.default_rng(seed)
+    return torch.from_numpy(gen.standard_t(3, size=n).astype(np.float32))
+
+
+def _nmse(codec, x: torch.Tensor, seeds: range) -> np.ndarray:
+    x64 = x.double()
+    return np.array(
+        [
+            float(
+                ((codec.decode(codec.encode(x, seed=s)).double() - x64) ** 2).sum()
+                / x64.square().sum()
+            )
+            for s in seeds
+        ]
+    )
+
+
+@pytest.mark.parametrize("rotations", [1, 2])
+@pytest.mark.parametrize("kind", ["gaussian", "student_t3"])
+def test_eden_one_bit_normalized_mse_is_pi_over_2_minus_1(kind: str, rotations: int) -> None:
+    """DRIVE/EDEN at 1 bit: vNMSE -> pi/2 - 1 for large blocks, whatever the input's
+    distribution (after the rotation). Within 5%, on 2^16 coordinates."""
+    n = 1 << 16
+    x = (
+        torch.randn(n, generator=torch.Generator().manual_seed(3))
+        if kind == "gaussian"
+        else _student_t(n, 3)
+    )
+    nmse = _nmse(make_codec("eden", bits=1, rotations=rotations), x, range(4))
+    assert abs(nmse.mean() / (math.pi / 2 - 1) - 1) < 0.05, nmse
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"name": "eden", "bits": 1, "block": 256},
+        {"name": "eden", "bits": 2, "block": 256},
+        {"name": "rotate", "inner": "uniform", "bits": 2, "block": 64, "rotation_block": 256},
+    ],
+    ids=["eden1", "eden2", "rotate_uniform2"],
+)
+def test_unbiased_rotated_codecs_average_to_the_input(spec: dict) -> None:
+    """Without bias E||mean - x||^2 = E||Q(x) - x||^2 / draws; a bias b adds ||b||^2,
+    which the 2x margin (over 600 coordinates, > 5 sigma) would expose."""
+    x = _student_t(600, 5) * torch.linspace(0.05, 2, 600)
+    codec = make_codec(**spec)
+    draws = 400
+    total = torch.zeros(600, dtype=torch.float64)
+    err = 0.0
+    for s in range(draws):
+        y = codec.decode(codec.encode(x, seed=10_000 + s)).double()
+        total += y
+        err += float(((y - x.double()) ** 2).sum())
+    bias2 = float(((total / draws - x.double()) ** 2).sum())
+    assert bias2 <= 2.0 * (err / draws) / draws, (bias2, err / draws / draws)
+
+
+def test_one_rotation_leaves_eden_measurably_biased_so_it_claims_no_unbiasedness() -> None:
+    """With one Hadamard rotation the deterministic quantizer's bias does not average
+    out: over 3200 draws ||mean - x||^2 stays about 5x above what the variance alone
+    gives (two rotations, above, are within it)."""
+    x = _student_t(600, 5) * torch.linspace(0.05, 2, 600)
+    codec = make_codec("eden", bits=1, block=256, rotations=1)
+    assert not codec.unbiased and make_codec("eden", bits=1).unbiased
+    draws = 3200
+    total = torch.zeros(600, dtype=torch.float64)
+    err = 0.0
+    for s in range(draws):
+        y = codec.decode(codec.encode(x, seed=10_000 + s)).double()
+        total += y
+        err += float(((y - x.double()) ** 2).sum())
+    bias2 = float(((total / draws - x.double()) ** 2).sum())
+    assert bias2 > 2.0 * (err / draws) / draws, (bias2, err / draws / draws)
+
+
+def test_the_least_squares_scale_shrinks_and_beats_the_unbiased_mse() -> None:
+    """scale="mse" is biased towards zero (its mean projects on x with a factor < 1,
+    measured far beyond the Monte Carlo spread) and has a lower error."""
+    x = _student_t(4096, 7)
+    unbiased, mse = make_codec("eden", bits=1), make_codec("eden", bits=1, scale="mse")
+    shrink = np.array(
+        [float(mse.decode(mse.encode(x, seed=s)).double() @ x.double()) for s in range(50)]
+    ) / float(x.double() @ x.double())
+    assert shrink.mean() + 10 * shrink.std(ddof=1) / math.sqrt(shrink.size) < 1.0
+    assert _nmse(mse, x, range(10)).mean() < _nmse(unbiased, x, range(10)).mean()
+
+
+@pytest.mark.parametrize(
+    ("params", "needle"),
+    [
+        ({"bits": 0}, "bits"),
+        ({"bits": 5}, "bits"),
+        ({"scale": "median"}, "scale"),
+        ({"rotations": 3}, "rotations"),
+        ({"block": 300}, "power of two"),
+        ({"block": 128}, "power of two"),
+    ],
+)
+def test_bad_eden_settings_are_refused_naming_the_parameter(params: dict, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        make_codec("eden", **params)
+
+
+@pytest.mark.parametrize(
+    ("params", "needle"),
+    [
+        ({"inner": "ef"}, "inner"),
+        ({"inner": "rotate"}, "inner"),
+        ({"inner": "onebit"}, "inner"),
+        ({}, "inner"),
+        ({"inner": "uniform", "rotations": 0}, "rotations"),
+        ({"inner": "uniform", "rotation_block": 1000}, "power of two"),
+    ],
+)
+def test_bad_rotation_settings_are_refused_naming_the_parameter(params: dict, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        make_codec("rotate", **params)
+
+
+def _server_decode(codec, payload: bytes, reference: np.ndarray, expected: dict):
+    return decode_payloads(
+        ArrayRecord({"w": Array(dtype="uint8", shape=(len(payload),), stype="raw", data=payload)}),
+        {"w": reference},
+        codec=expected,
+        policy=TensorPolicy(),
+        run_seed=1,
+        server_round=2,
+        stable_id=3,
+    )
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [{"name": "eden", "bits": 2}, {"name": "rotate", "inner": "dither", "bits": 2}],
+    ids=["eden", "rotate_dither"],
+)
+def test_the_server_recomputes_the_rotation_seed_and_refuses_another(spec: dict) -> None:
+    reference = np.zeros(2000, dtype=np.float32)
+    codec = make_codec(**spec)
+    x = torch.randn(2000)
+    good = bytes(codec.encode(x, seed=derive_seed(1, 2, 3, "w")))
+    deltas, _ = _server_decode(codec, good, reference, codec)
+    assert np.allclose(deltas["w"], codec.decode(codec.encode(x, seed=derive_seed(1, 2, 3, "w"))))
+    wrong = bytes(codec.encode(x, seed=derive_seed(1, 2, 4, "w")))  # another client's seed
+    with pytest.raises(SpecMismatch, match="seed"):
+        _server_decode(codec, wrong, reference, codec)
+
+
+def test_the_server_refuses_a_rotated_payload_whose_inner_codec_it_did_not_ask_for() -> None:
+    reference = np.zeros(1000, dtype=np.float32)
+    asked = make_codec("rotate", inner="uniform", bits=2)
+    sent = make_codec("rotate", inner="sign")
+    payload = bytes(sent.encode(torch.randn(1000), seed=derive_seed(1, 2, 3, "w")))
+    with pytest.raises(SpecMismatch, match="inner codec id"):
+        _server_decode(asked, payload, reference, asked)
+
+
+def test_a_rotated_payload_with_a_mismatched_inner_length_is_a_payload_error() -> None:
+    small = bytes(make_codec("uniform", bits=2).encode(torch.randn(512), seed=0))
+    outer = bytes(make_codec("rotate", inner="uniform", bits=2).encode(torch.randn(1000), seed=5))
+    # keep the outer header and rotation parameters, put an inner payload of 512 values
+    head = len(outer) - (len(outer) - (16 + 4 + 8))
+    with pytest.raises(PayloadError, match="inner payload"):
+        decode_bytes(outer[:head] + small)
