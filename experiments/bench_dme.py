@@ -19,6 +19,8 @@ Methods:
 - ``uniform``: stochastic (unbiased) rounding on the same fixed range, private dither.
 - ``qsgd``: fedcomp's QSGD, 2^(b-1) - 1 levels, one L2 norm per client (b >= 2).
 - ``sign``: fedcomp's scaled signSGD (one bit + one mean |x| per client).
+- ``eden``: fedcomp's EDEN (two randomized Hadamard rotations, b <= 4 bits, unbiased
+  scale): error proportional to each client's ||x||^2, whatever its distribution.
 - ``fp32``: the reference.
 
 Then the speed figures the issue sets (encode of 1M coordinates at b = 1 under 1 s per
@@ -163,6 +165,8 @@ def methods_for(n: int, bits: int, df: float, lam: float) -> list[tuple[str, dic
     ):
         out = list(VARIANTS)
     out += [("dither", {}), ("uniform", {})]
+    if bits <= 4:
+        out.append(("eden", {}))
     if bits >= 2:
         out.append(("qsgd", {}))
     if bits == 1:
@@ -181,6 +185,10 @@ def run_method(name: str, params: dict, x, mu, bits, lam, rep):
         return (*fedcomp_codec(x, spec, rep), None)
     if name == "sign":
         return (*fedcomp_codec(x, {"name": "sign", "block": x.shape[1]}, rep), None)
+    if name == "eden":  # two rotations, unbiased scale, one rotation block per client
+        block = 1 << max(8, (x.shape[1] - 1).bit_length())
+        spec = {"name": "eden", "bits": bits, "block": min(block, 1 << 20)}
+        return (*fedcomp_codec(x, spec, rep), None)
     return (*fedcomp_codec(x, {"name": "fp32"}, rep), None)
 
 

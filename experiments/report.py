@@ -534,6 +534,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=float,
         help="with --paired/--out-dir: the target accuracy (default: FedAvg's minus --tolerance)",
     )
+    parser.add_argument(
+        "--leaderboard",
+        action="store_true",
+        help="rank recipes by total bytes to FedAvg's accuracy minus --tolerance "
+        "(experiments.leaderboard); with --plot, accuracy vs total bytes of the top ones",
+    )
     parser.add_argument("--plot", type=Path, help="write accuracy vs uplink bytes (PNG)")
     parser.add_argument(
         "--out-dir",
@@ -556,7 +562,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     try:
-        if args.paired or args.plot or args.out_dir:
+        if args.leaderboard:
+            from experiments.leaderboard import leaderboard, leaderboard_plot
+
+            runs = select(load_all(args.root), args.only)
+            text = leaderboard(runs, args.tolerance)
+            if args.plot:
+                leaderboard_plot(runs, args.plot, tolerance=args.tolerance)
+        elif args.paired or args.plot or args.out_dir:
             runs = select(load_all(args.root), args.only)
             text = (
                 paired_report(runs, args.tolerance, args.metric, args.target)

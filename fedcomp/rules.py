@@ -20,6 +20,13 @@ JOINT_CODES = ("onebit",)
 #: single pre-aggregated reply can stand in for (FedMedian and FedTrimmedAvg subclass
 #: FedAvg in Flower but are not means). Names are Flower's class names, lower-cased.
 MEAN_BASED = ("fedavg", "fedavgm", "fedprox", "fedadam", "fedyogi", "fedadagrad")
+#: Clients per round below which a joint code is refused unless the user overrides the
+#: check: the one-bit code averages its clients' one-bit answers, so its error falls
+#: with the number of clients; measured (make bench-dme, docs/onebit.md), at 16 clients
+#: it loses to the best same-bits baseline in every cell, at 100 it wins only when the
+#: updates' range is far wider than their spread, and a 10-client run of the default
+#: job ends at chance accuracy with its loss 1000x the initial one.
+JOINT_MIN_CLIENTS = 100
 
 
 def fail(key: str, value: Any, allowed: str) -> NoReturn:
@@ -47,6 +54,23 @@ def changed_tree_options(trees: Any) -> list[tuple[str, Any]]:
         for f in dataclasses.fields(trees)
         if getattr(trees, f.name) != getattr(default, f.name)
     ]
+
+
+def check_codec_regime(codec_name: str, clients_per_round: int, *, regime_check: bool) -> None:
+    """Refuse a joint code with fewer clients a round than it needs (see
+    JOINT_MIN_CLIENTS), naming the threshold, the alternatives and the override."""
+    if not regime_check or codec_name not in JOINT_CODES:
+        return
+    if clients_per_round < JOINT_MIN_CLIENTS:
+        fail(
+            "codec.name",
+            codec_name,
+            f"the {codec_name} code needs at least {JOINT_MIN_CLIENTS} clients a round "
+            f"(this run samples {clients_per_round}: fraction_train x num_clients); below "
+            "that it loses to the per-client codecs at the same bits (docs/onebit.md). "
+            "Use codec=eden1, codec=ef_sign or codec=uniform2, or set regime_check=false "
+            "to run it anyway",
+        )
 
 
 def check_server_options(

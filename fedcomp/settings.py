@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Union
 
-from fedcomp.rules import check_server_options, fail
+from fedcomp.rules import check_codec_regime, check_server_options, fail
 
 if TYPE_CHECKING:  # a runtime import would load torch for every settings user
     from fedcomp.aggregation import Aggregation
@@ -281,6 +281,9 @@ class Settings:
     #: Progress display: "bar" (one line updated in place on stderr), "log" (a progress
     #: log line at most once a minute), "auto" (bar when stderr is a terminal, else log).
     progress: str = "auto"
+    #: Refuse codecs outside the regime they work in (the one-bit code with fewer than
+    #: fedcomp.rules.JOINT_MIN_CLIENTS clients a round); false runs them anyway.
+    regime_check: bool = True
 
 
 # ---------------------------------------------------------------------------------
@@ -410,6 +413,11 @@ def validate(settings: Settings) -> Settings:
     if "name" not in s.strategy:
         _fail("strategy", s.strategy, "a strategy spec needs a 'name'")
     _check_choice("strategy.name", s.strategy["name"], STRATEGIES)
+    check_codec_regime(
+        str(s.codec["name"]),
+        max(1, int(s.fraction_train * s.num_clients)),  # the wrapper's count (Flower's)
+        regime_check=s.regime_check,
+    )
     a = s.aggregation
     check_server_options(
         codec_name=str(s.codec["name"]),

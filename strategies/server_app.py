@@ -30,6 +30,7 @@ from fedcomp.models import build_model
 from fedcomp.progress import ProgressReporter
 from fedcomp.reporting import Reporting
 from fedcomp.results import build_results, write_results
+from fedcomp.rules import check_codec_regime
 from fedcomp.settings import (
     Settings,
     aggregation_of,
@@ -128,6 +129,13 @@ def build_strategy(
     settings: Settings, on_round: Callable[[dict[str, Any]], None] | None = None
 ) -> CompressedStrategy:
     """The ServerApp's strategy for these settings (the inner Flower strategy wrapped)."""
+    # The same regime rule as the settings check before Ray (it needs the run's counts,
+    # which the wrapper alone does not know).
+    check_codec_regime(
+        str(settings.codec["name"]),
+        max(1, int(settings.fraction_train * settings.num_clients)),
+        regime_check=settings.regime_check,
+    )
     return CompressedStrategy(
         make_inner_strategy(
             settings.strategy,

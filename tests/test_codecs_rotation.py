@@ -13,7 +13,7 @@ import torch
 from flwr.app import Array, ArrayRecord
 
 from fedcomp.codecs import PayloadError, TensorPolicy, decode_bytes, make_codec
-from fedcomp.codecs.eden import lloyd_max_normal
+from fedcomp.codecs.eden import lloyd_max_normal, normalized_mse
 from fedcomp.codecs.rotation import MIN_BLOCK, block_sizes, hadamard, rotate, unrotate
 from fedcomp.codecs.wire import SpecMismatch
 from fedcomp.flower.validation import decode_payloads
@@ -83,6 +83,14 @@ def test_lloyd_max_centroids_are_the_conditional_means_of_their_cells(bits: int)
         assert abs(np.sum(t[mask] * pdf[mask]) / np.sum(pdf[mask]) - c) < 1e-5
     if bits == 1:
         assert abs(centroids[1] - math.sqrt(2 / math.pi)) < 1e-12
+        assert abs(normalized_mse(1) - (math.pi / 2 - 1)) < 1e-9  # DRIVE's constant
+
+
+def test_eden_two_bits_meets_its_predicted_normalized_mse() -> None:
+    """At 2 bits the prediction D / (1 - D) (D the Lloyd-Max distortion) is 0.1331."""
+    x = _student_t(1 << 16, 4)
+    nmse = _nmse(make_codec("eden", bits=2), x, range(3))
+    assert abs(nmse.mean() / normalized_mse(2) - 1) < 0.05, nmse
 
 
 def _student_t(n: int, seed: int) -> torch.Tensor:

@@ -49,6 +49,8 @@ SPECS = [
     {"name": "eden", "bits": 3, "scale": "mse", "block": 512, "rotations": 1},
     {"name": "rotate", "inner": "uniform", "bits": 2, "block": 16, "rotation_block": 256},
     {"name": "rotate", "inner": "dither", "bits": 1, "block": 32, "rotations": 2},
+    {"name": "uniform", "bits": 2, "block": 16, "entropy": "zstd"},
+    {"name": "topk", "fraction": 0.2, "entropy": "zstd"},
 ]
 RUN_SEED, ROUND, CLIENT, NAME = 3, 2, 5, "w"
 
@@ -184,6 +186,8 @@ def test_the_fuzzed_decoders_accept_what_they_should(spec: dict) -> None:
     codec, buf = _codec(spec), _valid(spec)
     expected = codec.decode(parse_payload(buf)).numpy()
     assert np.array_equal(decode_bytes(buf, max_numel=LIMIT).numpy(), expected)
+    if "entropy" in spec:
+        return  # a flipped bit inside a zstd frame is corruption, not another value
     flipped = bytearray(buf)
     flipped[-1] ^= 1
     assert decode_bytes(bytes(flipped), max_numel=LIMIT).shape == expected.shape

@@ -7,6 +7,7 @@ probabilities, exact means); Monte Carlo tolerances come from the measured varia
 from __future__ import annotations
 
 import hashlib
+import math
 import subprocess
 import sys
 
@@ -495,6 +496,22 @@ def test_prefer_onebit_follows_the_crossover_rule():
     # the in-band center needs n b >= 240 answers; side information does not
     assert not prefer_onebit(1e4, 1, 16, 4.0)
     assert prefer_onebit(1e4, 1, 16, 4.0, center="previous")
+
+
+def test_the_crossover_rule_takes_eden_into_account():
+    """lambda = 30 tau, 1 bit, df 4: dither's variance lambda^2 / 3 = 300 exceeds
+    one-bit's V / b = 230, but EDEN's (pi/2 - 1)(lambda^2 / 3 + df / (df - 2)) = 172 does
+    not: the rule now picks the baseline. With df <= 2 EDEN's norm is unbounded."""
+    from fedcomp.onebit.choice import eden_variance, prefer_onebit, tail_variance
+
+    lam, df = 30.0, 4.0
+    dither = lam**2 / 3
+    eden = (math.pi / 2 - 1) * (lam**2 / 3 + df / (df - 2))
+    assert eden < tail_variance(df) < dither
+    assert abs(eden_variance(lam, 1, df) - eden) < 1e-9 * eden
+    assert not prefer_onebit(lam, 1, 1000, df)
+    assert prefer_onebit(100.0, 1, 1000, df)  # EDEN's error grows with lambda^2 too
+    assert eden_variance(lam, 1, 2.0) == math.inf
 
 
 def test_median_of_means_step_leaves_out_weightless_groups() -> None:

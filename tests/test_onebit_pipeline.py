@@ -42,6 +42,7 @@ def _run(num_rounds=1, tamper=None, spec=SPEC):
             "codec": spec,
             "aggregation": {"handoff": "pre_aggregated"},
             "train": {"local_epochs": 1},
+            "regime_check": False,  # a few clients: the protocol, not the accuracy
         }
     )
     captured: list[tuple[int, Message, Message]] = []
@@ -222,8 +223,41 @@ def test_settings_reject_onebit_without_pre_aggregated_handoff():
     from fedcomp.settings import validate
 
     with pytest.raises(ValueError, match=r"aggregation\.handoff.*per_client.*pre_aggregated"):
-        validate(settings_from_dict({"codec": SPEC}))
-    validate(settings_from_dict({"codec": SPEC, "aggregation": {"handoff": "pre_aggregated"}}))
+        validate(settings_from_dict({"codec": SPEC, "regime_check": False}))
+    validate(
+        settings_from_dict(
+            {"codec": SPEC, "aggregation": {"handoff": "pre_aggregated"}, "regime_check": False}
+        )
+    )
+
+
+@pytest.mark.parametrize(("clients", "fraction"), [(10, 1.0), (400, 0.2)])
+def test_settings_refuse_onebit_with_too_few_clients_a_round(clients, fraction) -> None:
+    """The issue's repro (10 clients a round: chance accuracy, loss 1000x) and a large
+    population sampled thinly: refused before Ray, naming the threshold, the clients a
+    round, the alternatives and the override."""
+    from fedcomp.rules import JOINT_MIN_CLIENTS
+    from fedcomp.settings import validate
+
+    tree = {
+        "codec": SPEC,
+        "aggregation": {"handoff": "pre_aggregated"},
+        "num_clients": clients,
+        "fraction_train": fraction,
+    }
+    sampled = int(clients * fraction)
+    with pytest.raises(ValueError) as err:
+        validate(settings_from_dict(tree))
+    text = str(err.value)
+    for needle in (
+        f"at least {JOINT_MIN_CLIENTS}",
+        f"samples {sampled}",
+        "eden1",
+        "regime_check=false",
+    ):
+        assert needle in text, text
+    validate(settings_from_dict({**tree, "regime_check": False}))  # the override
+    validate(settings_from_dict({**tree, "num_clients": 500, "fraction_train": 0.2}))  # 100
 
 
 def test_hydra_preset_composes_to_valid_settings():

@@ -20,6 +20,7 @@ from typing import Any
 
 from fedcomp.codecs import dense as _dense  # noqa: F401  (registers raw, fp32, fp16, bf16)
 from fedcomp.codecs import eden as _eden  # noqa: F401  (eden)
+from fedcomp.codecs import entropy as _entropy  # noqa: F401  (the lossless stage)
 from fedcomp.codecs import quantizers as _quantizers  # noqa: F401  (uniform, qsgd, sign)
 from fedcomp.codecs import rotated as _rotated  # noqa: F401  (rotate)
 from fedcomp.codecs import sparse as _sparse  # noqa: F401  (topk, randk)
@@ -30,6 +31,7 @@ from fedcomp.codecs.base import (
     codec_names,
     decode_bytes,
 )
+from fedcomp.codecs.entropy import DEFAULT_LEVEL, EntropyCodec
 from fedcomp.codecs.memory import ErrorFeedback, Memory
 from fedcomp.codecs.policy import TensorPolicy
 from fedcomp.codecs.residual import ResidualMemory
@@ -81,13 +83,25 @@ def make_codec(name: str, **params: Any) -> Codec | Memory | Any:
     a randomized Hadamard rotation in front of ``uniform``; ``make_codec("onebit", bits=1)``
     returns the joint :class:`fedcomp.onebit.OneBitCode`.
 
+    ``entropy="zstd"`` (and optionally ``entropy_level``) on any stateless codec adds the
+    lossless stage of :mod:`fedcomp.codecs.entropy`; on a memory it applies to the inner
+    codec.
+
     Raises
     ------
     ValueError
         On an unknown codec name or a parameter the codec does not take, naming it.
     """
+    if name == EntropyCodec.name:
+        raise ValueError("the lossless stage is a key of a codec: e.g. codec.entropy=zstd")
     if name in JOINT_CODES:
+        if "entropy" in params:
+            raise ValueError(f"entropy does not apply to the joint code {name!r}")
         return make_joint_code(name, **params)
+    if name not in MEMORIES and "entropy" in params:
+        method = params.pop("entropy")
+        level = params.pop("entropy_level", DEFAULT_LEVEL)
+        return EntropyCodec(make_codec(name, **params), method=method, level=level)
     if name == RotatedCodec.name:
         return _make_rotated(params)
     if name in MEMORIES:

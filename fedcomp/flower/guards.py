@@ -5,6 +5,7 @@ outcome (nothing learned, diverged), made loud."""
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
@@ -86,15 +87,39 @@ def print_through_flower() -> None:
         ours.setLevel(logging.INFO)
 
 
+#: A central loss this many times the run's reference (the initial model's loss, else
+#: the first round's) has grown by orders of magnitude: the model is diverging.
+DIVERGING_FACTOR = 100.0
+_ADVICE = (
+    "Lower the learning rate or the compression (codec, downlink), or cap influence "
+    "(aggregation.norm_cap)."
+)
+
+
+def loss_growth(loss: float | None, reference: float | None) -> float | None:
+    """How many times the reference loss this round's loss is, when both are known."""
+    if loss is None or reference is None or not math.isfinite(loss) or reference <= 0:
+        return None
+    return loss / reference
+
+
 def fail_if_diverged(rounds: list[dict[str, Any]]) -> None:
-    """A global model whose central loss or accuracy stopped being finite diverged:
-    the rounds after it cannot have learned anything."""
+    """A global model whose central loss or accuracy stopped being finite diverged (the
+    rounds after it cannot have learned anything), and so did one whose last loss is
+    still DIVERGING_FACTOR times its reference or more."""
     bad = next((r for r in rounds if r.get("nonfinite_metrics")), None)
     if bad is not None:
         raise RunFailed(
             f"the global model diverged: its central {', '.join(bad['nonfinite_metrics'])} "
-            f"became non-finite at round {bad['round']}. Lower the learning rate or the "
-            "compression (codec, downlink), or cap influence (aggregation.norm_cap)."
+            f"became non-finite at round {bad['round']}. {_ADVICE}"
+        )
+    if rounds and (rounds[-1].get("loss_growth") or 0.0) >= DIVERGING_FACTOR:
+        last = rounds[-1]
+        first = next(r for r in rounds if r.get("loss_growth"))
+        raise RunFailed(
+            f"the global model diverged: its central loss ended at {last['loss']:.4g}, "
+            f"{last['loss_growth']:.0f}x the initial one (growing since round "
+            f"{first['round']}). {_ADVICE}"
         )
 
 

@@ -57,12 +57,14 @@ from fedcomp.flower.accounting import count, record_bytes
 from fedcomp.flower.decoding import ReplyDecoder
 from fedcomp.flower.evaluation import first_present, valid_evaluate_replies
 from fedcomp.flower.guards import (
+    DIVERGING_FACTOR,
     all_finite,
     cap_weights,
     cast_like,
     clip_norms,
     fail_if_diverged,
     fail_if_nothing_learned,
+    loss_growth,
     print_through_flower,
 )
 from fedcomp.flower.handoff import make_handoff
@@ -533,6 +535,14 @@ class CompressedStrategy(Strategy):
 
     # ------------------------------------------------------------------ round records
 
+    def _loss_reference(self) -> float | None:
+        """The loss a diverging run is measured against: the initial model's, else the
+        first recorded round's."""
+        initial = (self.initial_evaluation or {}).get("loss")
+        if isinstance(initial, float) and math.isfinite(initial):
+            return initial
+        return next((r["loss"] for r in self.rounds if r.get("loss") is not None), None)
+
     def _close_round(self, server_round: int, central: MetricRecord | None) -> None:
         central_dict = dict(central) if central is not None else {}
         nonfinite = sorted(
@@ -566,11 +576,16 @@ class CompressedStrategy(Strategy):
         )
         if nonfinite:
             record["nonfinite_metrics"] = nonfinite
+        growth = loss_growth(record["loss"], self._loss_reference())
+        if growth is not None and growth >= DIVERGING_FACTOR:
+            record["loss_growth"] = growth
         self.rounds.append(record)
         self._state = None
         line = log_line(record, self._num_rounds)
         if nonfinite:
             log.error("%s | DIVERGED: central %s not finite", line, ", ".join(nonfinite))
+        elif "loss_growth" in record:
+            log.error("%s | DIVERGING: loss %.0fx the initial one", line, growth)
         elif record["replied"] == 0:
             log.warning("%s | NO REPLY ACCEPTED: the model did not change", line)
         else:

@@ -1,4 +1,4 @@
-"""When to use the one-bit code rather than a fixed-range (dithered uniform) code.
+"""When to use the one-bit code rather than a fixed-range (dithered uniform) code or EDEN.
 
 docs/onebit.md's crossover: per client and coordinate, subtractive-dither uniform on the
 range [-lambda, lambda] has error variance ``lambda^2 / (3 (2^b - 1)^2)``; the one-bit
@@ -36,11 +36,28 @@ def tail_variance(df: float) -> float:
     raise AssertionError(df)
 
 
+def eden_variance(lam_over_tau: float, bits: int, tail_df: float) -> float:
+    """EDEN's per-coordinate error variance for updates ``mu + tau t_df`` with mu uniform
+    in [-lambda, lambda] (tau = 1): ``nu_b E[x^2]``, where ``nu_b = D_b / (1 - D_b)`` is its
+    normalized MSE (D_b the Lloyd-Max distortion of N(0, 1): nu_1 = pi/2 - 1) and
+    ``E[x^2] = lambda^2 / 3 + df / (df - 2)``, infinite for df <= 2: EDEN's error grows
+    with the vector's norm, one-bit's with the spread around its center."""
+    if bits > 4:
+        return math.inf  # EDEN is defined here for 1..4 bits
+    if tail_df <= 2:
+        return math.inf
+    from fedcomp.codecs.eden import normalized_mse  # lazily: the core of the codecs
+
+    return normalized_mse(bits) * (lam_over_tau**2 / 3 + tail_df / (tail_df - 2))
+
+
 def prefer_onebit(
     lam_over_tau: float, bits: int, num_clients: int, tail_df: float, center: str = "inband"
 ) -> bool:
-    """True when the one-bit code is expected to beat dithered uniform at ``bits``."""
+    """True when the one-bit code is expected to beat both dithered uniform and EDEN at
+    ``bits`` (all three errors of the mean fall as 1/n, so n only gates the center)."""
     if center == "inband" and num_clients * bits < INBAND_MIN_ANSWERS:
         return False
     dither = lam_over_tau**2 / (3 * (2**bits - 1) ** 2)
-    return dither > tail_variance(tail_df) / bits
+    best_baseline = min(dither, eden_variance(lam_over_tau, bits, tail_df))
+    return best_baseline > tail_variance(tail_df) / bits

@@ -1,0 +1,150 @@
+"""The bytes-to-accuracy leaderboard: recipes ranked by the TOTAL bytes they need.
+
+    python -m experiments.report --leaderboard multirun/leaderboard_digits [--plot P.png]
+
+A recipe is one uplink codec and one downlink (the swept ``codec.*`` and ``downlink.*``
+settings); FedAvg is fp32 both ways. Each recipe's target is FedAvg's mean final
+accuracy over seeds minus ``tolerance`` (one point); for every seed, the bytes spent
+until the first round whose central accuracy reaches it are cumulated from the
+measured per-round counts: ``total_wire_bytes`` (every message of the round, both
+directions, evaluation included) and ``uplink_wire_bytes`` (train replies). A recipe
+is ranked by how many seeds reach the target, then by its median total bytes over
+them; its ratio is FedAvg's median bytes to the same target divided by its own.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from experiments.report import (
+    _informative,
+    _is_fedavg,
+    _label,
+    accuracy_plot,
+    bytes_to_reach,
+    group_runs,
+    t_half_width,
+)
+
+TOTAL, UPLINK = "total_wire_bytes", "uplink_wire_bytes"
+
+
+def _median(values: Sequence[int]) -> float | None:
+    return float(np.median(values)) if values else None
+
+
+def rank_recipes(runs: Sequence[dict[str, Any]], tolerance: float = 0.01) -> list[dict[str, Any]]:
+    """One entry per recipe, best first (see the module docstring).
+
+    Raises
+    ------
+    ValueError
+        Without FedAvg runs (the reference) or with settings other than the recipe
+        that differ between runs (one leaderboard compares recipes in one setting).
+    """
+    keys, groups = group_runs(runs)
+    others = [k for k in keys if not k.startswith(("codec.", "downlink."))]
+    if others:
+        raise ValueError(f"the runs differ in {', '.join(others)}: select one setting (--only)")
+    fedavg = [r for r in runs if _is_fedavg(r)]
+    if not fedavg:
+        raise ValueError("no FedAvg run (fp32 both ways): the leaderboard needs the reference")
+    target = float(np.mean([r["summary"]["final_accuracy"] for r in fedavg])) - tolerance
+    reference = {
+        key: _median([b for r in fedavg if (b := bytes_to_reach(r, target, key)) is not None])
+        for key in (TOTAL, UPLINK)
+    }
+    informative = _informative(keys, list(groups))
+    entries = []
+    for group, members in groups.items():
+        spent = {
+            key: [b for m in members if (b := bytes_to_reach(m, target, key)) is not None]
+            for key in (TOTAL, UPLINK)
+        }
+        finals = [m["summary"]["final_accuracy"] for m in members]
+        total = _median(spent[TOTAL])
+        uplink = _median(spent[UPLINK])
+        entries.append(
+            {
+                "recipe": _label(keys, group, informative),
+                "fedavg": all(_is_fedavg(m) for m in members),
+                "seeds": len(members),
+                "reached": len(spent[TOTAL]),
+                "total_to_target": total,
+                "uplink_to_target": uplink,
+                "total_ratio": reference[TOTAL] / total if total and reference[TOTAL] else None,
+                "uplink_ratio": reference[UPLINK] / uplink
+                if uplink and reference[UPLINK]
+                else None,
+                "final_mean": float(np.mean(finals)),
+                "final_ci": t_half_width(finals),
+                "wall_s": float(np.mean([m["summary"]["wall_s"] for m in members])),
+                "members": members,
+                "target": target,
+            }
+        )
+    entries.sort(key=lambda e: (-e["reached"] / e["seeds"], e["total_to_target"] or math.inf))
+    return entries
+
+
+def _mb(value: float | None) -> str:
+    return "n/a" if value is None else f"{value / 1e6:.3f}"
+
+
+def _x(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f}x"
+
+
+def leaderboard(runs: Sequence[dict[str, Any]], tolerance: float = 0.01) -> str:
+    """The ranked table and the headline numbers, as markdown."""
+    entries = rank_recipes(runs, tolerance)
+    target = entries[0]["target"]
+    lines = [
+        f"Target: FedAvg's mean final accuracy minus {tolerance:g} = {target:.4f}. "
+        "Bytes are medians over the seeds that reach it, cumulated from the measured "
+        "per-round counts; ratios are FedAvg's bytes to the same target over the "
+        "recipe's.",
+        "",
+        "| rank | recipe | seeds reaching | total MB to target | x fewer total bytes than "
+        "FedAvg | uplink MB to target | x fewer uplink bytes | final accuracy (95% CI) "
+        "| wall s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for rank, e in enumerate(entries, 1):
+        ci = f" +- {e['final_ci']:.4f}" if e["final_ci"] is not None else ""
+        name = e["recipe"] + (" (FedAvg)" if e["fedavg"] else "")
+        lines.append(
+            f"| {rank} | {name} | {e['reached']}/{e['seeds']} | {_mb(e['total_to_target'])} "
+            f"| {_x(e['total_ratio'])} | {_mb(e['uplink_to_target'])} | {_x(e['uplink_ratio'])} "
+            f"| {e['final_mean']:.4f}{ci} | {e['wall_s']:.1f} |"
+        )
+    every_seed = [e for e in entries if e["reached"] == e["seeds"] and not e["fedavg"]]
+    if every_seed:
+        best = every_seed[0]
+        best_up = max(every_seed, key=lambda e: e["uplink_ratio"] or 0.0)
+        lines += [
+            "",
+            f"Best recipe reaching the target in every seed: {best['recipe']}, "
+            f"{_x(best['total_ratio'])} fewer total bytes than FedAvg "
+            f"(32x target: {'MET' if (best['total_ratio'] or 0) >= 32 else 'MISSED'}; "
+            f"100x stretch: {'MET' if (best['total_ratio'] or 0) >= 100 else 'MISSED'}).",
+            f"Best uplink-only ratio at matched accuracy: {best_up['recipe']}, "
+            f"{_x(best_up['uplink_ratio'])}.",
+        ]
+    else:
+        lines += ["", "No compressed recipe reached the target in every seed."]
+    return "\n".join(lines) + "\n"
+
+
+def leaderboard_plot(
+    runs: Sequence[dict[str, Any]], path: Path, top: int = 6, tolerance: float = 0.01
+) -> Path:
+    """Accuracy against cumulative total bytes for FedAvg and the ``top`` recipes."""
+    entries = rank_recipes(runs, tolerance)
+    chosen = [e for e in entries if e["fedavg"]] + [e for e in entries if not e["fedavg"]][:top]
+    return accuracy_plot([m for e in chosen for m in e["members"]], path, TOTAL)
