@@ -35,6 +35,7 @@ SPECS = {
     "qsgd1": {"name": "qsgd", "levels": 1, "block": 128},
     "sign": {"name": "sign", "block": 64},
     "topk": {"name": "topk", "fraction": 0.1},
+    "sparseq": {"name": "sparseq", "fraction": 0.1, "bits": 4, "block": 64},
     "randk": {"name": "randk", "fraction": 0.25},
     "eden1": {"name": "eden", "bits": 1, "block": 256},
     "eden3mse": {"name": "eden", "bits": 3, "scale": "mse", "block": 512, "rotations": 2},
@@ -92,7 +93,7 @@ def test_roundtrip_keeps_shape_and_dtype(key: str, kind: str) -> None:
     if (
         kind == "constant"
         and not rotated
-        and not key.startswith(("qsgd", "topk", "randk", "dither"))
+        and not key.startswith(("qsgd", "topk", "randk", "dither", "sparseq"))
     ):
         # max|x|- and mean|x|-scaled codes put a constant block exactly on a level
         # (subtractive dither does not: its error is uniform on a step whatever x is).
@@ -145,14 +146,15 @@ def _layout_size(key: str, x: torch.Tensor) -> int:
     raise AssertionError(name)
 
 
-@pytest.mark.parametrize("key", [k for k in sorted(SPECS) if k != "topk"])
+# topk and sparseq: the index coding depends on where the kept values are
+@pytest.mark.parametrize("key", [k for k in sorted(SPECS) if k not in ("topk", "sparseq")])
 @pytest.mark.parametrize("shape", [(1000,), (37, 29), (3,)])
 def test_codec_bytes_equal_the_packed_layout(key: str, shape: tuple[int, ...]) -> None:
     x = torch.randn(*shape, generator=_gen(7))
     assert len(bytes(_codec(key).encode(x, seed=3))) == _layout_size(key, x)
 
 
-@pytest.mark.parametrize("key", sorted(SPECS))
+@pytest.mark.parametrize("key", [k for k in sorted(SPECS) if k != "sparseq"])  # an upper bound
 def test_large_tensors_are_within_two_percent_of_nominal(key: str) -> None:
     x = torch.randn(200_000, generator=_gen(8))
     codec = _codec(key)

@@ -51,6 +51,8 @@ SPECS = [
     {"name": "rotate", "inner": "dither", "bits": 1, "block": 32, "rotations": 2},
     {"name": "uniform", "bits": 2, "block": 16, "entropy": "zstd"},
     {"name": "topk", "fraction": 0.2, "entropy": "zstd"},
+    {"name": "sparseq", "fraction": 0.2, "bits": 3, "block": 16},
+    {"name": "sparseq", "fraction": 0.9, "bits": 1, "block": 8, "selection": "exact"},
 ]
 RUN_SEED, ROUND, CLIENT, NAME = 3, 2, 5, "w"
 

@@ -56,6 +56,8 @@ def test_presets_name_the_experiments_and_validate() -> None:
         "trees_femnist_smoke": 2 * 4,
         "bidirectional_digits": 2 * 3 * 12 * 3,
         "bidirectional_digits_smoke": 2 * 2,
+        "leaderboard_digits": 15 * 3,
+        "leaderboard_digits_smoke": 3,
     }
     swept: dict[str, list[Settings]] = {}
     for name, count in expected_runs.items():
@@ -348,6 +350,34 @@ def test_bidirectional_digits_smoke_cuts_the_total_with_the_downlink() -> None:
         messages = sum(c["messages"] for rnd in r["rounds"] for c in rnd["traffic"].values())
         assert abs(r["summary"]["fp32_total_wire_bytes"] - fp32) <= 96 * messages, key
         assert all(rnd["replied"] == rnd["selected"] for rnd in r["rounds"]), key
+
+
+def test_leaderboard_smoke_ranks_recipes_by_measured_total_bytes_to_fedavg_accuracy() -> None:
+    """The leaderboard's smoke twin, in-process: every recipe runs, and each entry's
+    bytes to the target are the cumulative measured totals at the first round reaching
+    FedAvg's final accuracy minus one point (recomputed here from the rounds)."""
+    from experiments.leaderboard import leaderboard, rank_recipes
+
+    runs = [run_inprocess(s) for s in preset_settings("leaderboard_digits_smoke")]
+    entries = rank_recipes(runs)
+    assert len(entries) == 3 and sum(e["fedavg"] for e in entries) == 1
+    fedavg = next(r for r in runs if r["config"]["codec"]["name"] == "fp32")
+    target = fedavg["summary"]["final_accuracy"] - 0.01
+    for entry in entries:
+        (run,) = entry["members"]
+        spent, expected = 0, None
+        for rnd in run["rounds"]:
+            spent += rnd["total_wire_bytes"]
+            if rnd["accuracy"] >= target:
+                expected = spent
+                break
+        assert entry["total_to_target"] == expected, entry["recipe"]
+        assert entry["reached"] == (expected is not None)
+    reached = [e for e in entries if e["reached"]]
+    assert [e["total_to_target"] for e in reached] == sorted(e["total_to_target"] for e in reached)
+    assert next(e for e in entries if e["fedavg"])["total_ratio"] == 1.0
+    text = leaderboard(runs)
+    assert "(FedAvg)" in text and "x fewer total bytes" in text
 
 
 def test_report_selects_runs_by_setting() -> None:

@@ -24,6 +24,7 @@ from fedcomp.codecs import entropy as _entropy  # noqa: F401  (the lossless stag
 from fedcomp.codecs import quantizers as _quantizers  # noqa: F401  (uniform, qsgd, sign)
 from fedcomp.codecs import rotated as _rotated  # noqa: F401  (rotate)
 from fedcomp.codecs import sparse as _sparse  # noqa: F401  (topk, randk)
+from fedcomp.codecs import sparse_quantized as _sparseq  # noqa: F401  (sparseq)
 from fedcomp.codecs.base import (
     Codec,
     codec_class,
