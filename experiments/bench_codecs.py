@@ -10,8 +10,8 @@
    dense FedAvg aggregation (``aggregate_arrayrecords``) of the same updates.
 
 Targets (checked and printed, never asserted in tests): codec bytes within 2% of
-nominal; uniform 8-bit and sign encode >= 1 GB/s; server decode + aggregate no slower
-than Flower's dense aggregation.
+nominal (sparseq's nominal is an upper bound); every codec's encode >= 1 GB/s; server
+decode + aggregate no slower than Flower's dense aggregation.
 """
 
 from __future__ import annotations
@@ -42,8 +42,14 @@ SPECS: list[dict] = [
     {"name": "sign", "block": 1024},
     {"name": "topk", "fraction": 0.01},
     {"name": "randk", "fraction": 0.01},
+    {"name": "sparseq", "fraction": 0.01, "bits": 4},
+    {"name": "eden", "bits": 1},
+    {"name": "eden", "bits": 2},
+    {"name": "rotate", "inner": "uniform", "bits": 2},
+    {"name": "uniform", "bits": 2, "block": 256, "entropy": "zstd"},
 ]
-SPEED_TARGETS = {("uniform", 8): 1.0, ("sign", None): 1.0}  # GB/s of float32 input
+#: GB/s of float32 input: every codec's encode at 25M coordinates (the codec issue).
+SPEED_TARGET = 1.0
 
 
 def best_time(fn: Callable[[], object], repeats: int) -> float:
@@ -76,7 +82,7 @@ def bench_codecs(sizes: list[int], repeats: int) -> list[dict]:
             t_dec = best_time(lambda: decode_bytes(buf), repeats)  # noqa: B023
             body_bits = 8 * (len(buf) - HEADER_FIXED_BYTES - 4) / n
             nominal = codec.nominal_bits(n)
-            target = SPEED_TARGETS.get((spec["name"], spec.get("bits")))
+            target = SPEED_TARGET
             rows.append(
                 {
                     "size": n,

@@ -32,6 +32,7 @@ from fedcomp.codecs.base import (
     codec_names,
     decode_bytes,
 )
+from fedcomp.codecs.dgc import DGCMemory
 from fedcomp.codecs.entropy import DEFAULT_LEVEL, EntropyCodec
 from fedcomp.codecs.memory import ErrorFeedback, Memory
 from fedcomp.codecs.policy import TensorPolicy
@@ -41,7 +42,7 @@ from fedcomp.codecs.wire import Payload, PayloadError, PayloadHeader, parse_payl
 from fedcomp.rules import JOINT_CODES as _JOINT_CODES
 
 #: Memory names accepted by make_codec, with the inner codec given as ``inner=<name>``.
-MEMORIES = ("ef", "residual")
+MEMORIES = ("ef", "residual", "dgc")
 #: Joint codes: no per-client decoder; the server decodes all replies together.
 JOINT_CODES = _JOINT_CODES
 
@@ -111,6 +112,10 @@ def make_codec(name: str, **params: Any) -> Codec | Memory | Any:
             raise ValueError(f"{name} needs inner=<codec name>, got inner={inner!r}")
         if name == "ef":
             return ErrorFeedback(make_codec(inner, **params))
+        if name == "dgc":
+            keys = ("momentum", "clip", "warmup_rounds", "warmup_start")
+            options = {k: params.pop(k) for k in keys if k in params}
+            return DGCMemory(make_codec(inner, **params), **options)
         alpha = params.pop("alpha", None)
         bootstrap = params.pop("bootstrap", "zero")
         return ResidualMemory(make_codec(inner, **params), alpha=alpha, bootstrap=bootstrap)
@@ -143,6 +148,7 @@ def make_codec_from_spec(spec: Mapping[str, Any]) -> Codec | Memory:
 __all__ = [
     "JOINT_CODES",
     "Codec",
+    "DGCMemory",
     "ErrorFeedback",
     "Memory",
     "Payload",

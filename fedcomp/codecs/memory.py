@@ -34,6 +34,10 @@ class Memory:
     def spec(self) -> dict[str, Any]:
         raise NotImplementedError
 
+    def inner_for_round(self, server_round: int) -> Codec:
+        """The stateless codec the client uses (and the server checks) in this round."""
+        return self.inner
+
 
 class ErrorFeedback(Memory):
     """Error feedback around any codec: send Q(x + e), keep e' = x + e - decode(Q(x + e)).

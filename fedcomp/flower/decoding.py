@@ -82,6 +82,12 @@ class ReplyDecoder:
         self.stable_of = stable_of
         self.reject_factor = reject_factor
 
+    def _wire_codec(self, server_round: int) -> Codec | None:
+        """This round's stateless codec (a memory may change it by round: DGC's warm-up)."""
+        if isinstance(self.codec, Memory):
+            return self.codec.inner_for_round(server_round)
+        return self.wire_codec
+
     # ------------------------------------------------------------------ per reply
 
     def decode_reply(self, msg: Message, state: RoundState) -> Decoded:
@@ -110,7 +116,7 @@ class ReplyDecoder:
             payloads,
             state.global_arrays,
             # A full-precision resync sends the covered tensors in fp32.
-            codec=_FP32 if sync == SYNC_FULL else self.wire_codec,
+            codec=_FP32 if sync == SYNC_FULL else self._wire_codec(state.number),
             policy=self.policy,
             run_seed=self.run_seed,
             server_round=state.number,
