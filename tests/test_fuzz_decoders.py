@@ -53,6 +53,7 @@ SPECS = [
     {"name": "topk", "fraction": 0.2, "entropy": "zstd"},
     {"name": "sparseq", "fraction": 0.2, "bits": 3, "block": 16},
     {"name": "sparseq", "fraction": 0.9, "bits": 1, "block": 8, "selection": "exact"},
+    {"name": "lowrank", "rank": 2},
 ]
 RUN_SEED, ROUND, CLIENT, NAME = 3, 2, 5, "w"
 

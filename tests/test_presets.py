@@ -56,7 +56,7 @@ def test_presets_name_the_experiments_and_validate() -> None:
         "trees_femnist_smoke": 2 * 4,
         "bidirectional_digits": 2 * 3 * 12 * 3,
         "bidirectional_digits_smoke": 2 * 2,
-        "leaderboard_digits": 15 * 3,
+        "leaderboard_digits": 19 * 3,
         "leaderboard_digits_smoke": 3,
     }
     swept: dict[str, list[Settings]] = {}

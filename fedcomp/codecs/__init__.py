@@ -21,6 +21,7 @@ from typing import Any
 from fedcomp.codecs import dense as _dense  # noqa: F401  (registers raw, fp32, fp16, bf16)
 from fedcomp.codecs import eden as _eden  # noqa: F401  (eden)
 from fedcomp.codecs import entropy as _entropy  # noqa: F401  (the lossless stage)
+from fedcomp.codecs import lowrank as _lowrank  # noqa: F401  (lowrank)
 from fedcomp.codecs import quantizers as _quantizers  # noqa: F401  (uniform, qsgd, sign)
 from fedcomp.codecs import rotated as _rotated  # noqa: F401  (rotate)
 from fedcomp.codecs import sparse as _sparse  # noqa: F401  (topk, randk)
@@ -34,6 +35,7 @@ from fedcomp.codecs.base import (
 )
 from fedcomp.codecs.dgc import DGCMemory
 from fedcomp.codecs.entropy import DEFAULT_LEVEL, EntropyCodec
+from fedcomp.codecs.lowrank import PowerSGDMemory
 from fedcomp.codecs.memory import ErrorFeedback, Memory
 from fedcomp.codecs.policy import TensorPolicy
 from fedcomp.codecs.residual import ResidualMemory
@@ -106,6 +108,9 @@ def make_codec(name: str, **params: Any) -> Codec | Memory | Any:
         return EntropyCodec(make_codec(name, **params), method=method, level=level)
     if name == RotatedCodec.name:
         return _make_rotated(params)
+    if name == PowerSGDMemory.name:
+        _check_params(name, params, {"rank"})
+        return PowerSGDMemory(**params)
     if name in MEMORIES:
         inner = params.pop("inner", None)
         if not isinstance(inner, str) or inner in MEMORIES:
@@ -154,6 +159,7 @@ __all__ = [
     "Payload",
     "PayloadError",
     "PayloadHeader",
+    "PowerSGDMemory",
     "ResidualMemory",
     "TensorPolicy",
     "codec_class_by_id",
