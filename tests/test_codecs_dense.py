@@ -3,7 +3,6 @@ and clear errors on malformed buffers."""
 
 from __future__ import annotations
 
-import math
 import struct
 
 import pytest
@@ -58,11 +57,14 @@ def test_raw_roundtrip_keeps_dtype_and_bytes(x: torch.Tensor) -> None:
     assert y.dtype == x.dtype and torch.equal(y, x)
 
 
-def test_same_input_same_bytes() -> None:
+def test_fp32_bytes_are_the_little_endian_values_whatever_the_seed() -> None:
+    """The fp32 body is the tensor's values as little-endian float32 (computed here
+    with numpy), independent of the seed: nothing random enters a dense payload."""
     x = TENSORS["matrix"]
-    assert bytes(make_codec("fp32").encode(x, seed=1)) == bytes(
-        make_codec("fp32").encode(x, seed=1)
-    )
+    buf = bytes(make_codec("fp32").encode(x, seed=1))
+    body = buf[16 + 4 * x.dim() :]
+    assert body == x.numpy().astype("<f4").tobytes()
+    assert buf == bytes(make_codec("fp32").encode(x, seed=99))
 
 
 def test_every_truncation_and_extension_is_rejected() -> None:
@@ -109,7 +111,6 @@ def test_enormous_claimed_shape_is_rejected_before_allocating() -> None:
         decode_bytes(bad)
     with pytest.raises(PayloadError, match="needs"):  # within the limit: sizes compared
         decode_bytes(bad, max_numel=2**64)
-    assert math.prod((2**32 - 1, 2**32 - 1)) > 2**60
 
 
 def test_factory_rejects_unknown_names_and_params() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 
 import numpy as np
@@ -72,7 +73,10 @@ def test_default_model_is_big_enough_and_seeded() -> None:
     a = build_model(s.model, "digits", seed=3)
     b = build_model(s.model, "digits", seed=3)
     c = build_model(s.model, "digits", seed=4)
-    assert num_parameters(a) >= 10**5
+    # digits: 8x8 inputs, 10 classes; an MLP of the default widths, weights and biases
+    widths = [64, *s.model.hidden, 10]
+    expected = sum(i * o + o for i, o in itertools.pairwise(widths))
+    assert num_parameters(a) == expected > 10**5
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
     assert not torch.equal(next(a.parameters()), next(c.parameters()))
     with pytest.raises(ValueError, match=r"model\.name='vit'"):

@@ -13,6 +13,7 @@ from flwr.app import ArrayRecord, Message, MessageType
 from clients.client_app import make_client_app
 from experiments.inprocess import InProcessGrid
 from fedcomp.controlvariates import Mirror
+from fedcomp.flower.identity import is_identity_message
 from fedcomp.flower.memory_state import load_memory
 from fedcomp.flower.strategy import CompressedStrategy
 from fedcomp.models import build_model
@@ -57,9 +58,19 @@ def run_rounds(strategy: CompressedStrategy, grid, arrays: ArrayRecord, rounds) 
 
 
 def _drop(plan: dict[int, set[int]], current: dict[str, int]):
+    """Drop the train replies of ``plan[round]``'s clients; count them in current["dropped"]."""
+    current.setdefault("dropped", 0)
+
     def tamper(pid: int, reply: Message, instruction: Message) -> Message | None:
         is_train = instruction.metadata.message_type == MessageType.TRAIN
-        return None if is_train and pid in plan.get(current["round"], set()) else reply
+        if (
+            is_train
+            and not is_identity_message(instruction)
+            and pid in plan.get(current["round"], set())
+        ):
+            current["dropped"] += 1
+            return None
+        return reply
 
     return tamper
 
@@ -104,7 +115,10 @@ def test_mirrors_equal_client_state_under_drops_and_partial_participation() -> N
     strategy = _strategy(settings)
     _tracking(strategy, current)
     run_rounds(strategy, grid, _initial(settings), range(1, 9))
-    assert sum(r["replied"] for r in strategy.rounds) >= 10
+    # every selected client replied but the dropped ones (exactly: both counted here)
+    selected = sum(r["selected"] for r in strategy.rounds)
+    assert selected == 8 * 2 and current["dropped"] > 0
+    assert sum(r["replied"] for r in strategy.rounds) == selected - current["dropped"]
     assert all(r["codec"]["resync_requests"] == 0 for r in strategy.rounds)
     assert _assert_mirrors_match(strategy, grid) == N  # 8 rounds x 2 of 4: all sampled
     later = [r for r in strategy.rounds[4:] if r["codec"]["residual_over_delta"] is not None]
