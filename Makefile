@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.fedcomp-installed
 export FLWR_TELEMETRY_ENABLED := 0
 export FLWR_HOME := $(CURDIR)/.flwr
 
-.PHONY: run test test-slow deploy-test lint bench bench-dme fuzz mutants wheel clean
+.PHONY: run test test-slow deploy-test lint bench bench-dme leaderboard fuzz mutants wheel clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,10 +37,20 @@ test-slow: $(STAMP)
 deploy-test: $(STAMP)
 	$(PY) -m pytest -m deployment -q
 
-## bench: codec, server and reduction-tree benchmarks; summaries in experiments/results/
+## bench: codec, rotation/EDEN, lossless-stage, server and reduction-tree benchmarks;
+## summaries in experiments/results/
 bench: $(STAMP)
 	$(PY) -m experiments.bench_codecs --out experiments/results/bench_codecs.md
+	$(PY) -m experiments.bench_rotation --out experiments/results/bench_rotation.md
+	$(PY) -m experiments.bench_entropy --out experiments/results/bench_entropy.md
 	$(PY) -m experiments.bench_aggregation --out experiments/results/bench_aggregation.md
+
+## leaderboard: every recipe on digits (3 seeds, about an hour on 2 cores, in-process),
+## ranked by total bytes to FedAvg's accuracy; summary and plot in experiments/results/
+leaderboard: $(STAMP)
+	$(PY) -m experiments.presets leaderboard_digits
+	$(PY) -m experiments.report --leaderboard multirun/leaderboard_digits \
+	    --plot experiments/results/leaderboard_digits.png --out experiments/results/leaderboard_digits.md
 
 ## bench-dme: the one-bit code vs the baselines at equal bits (distributed mean estimation)
 bench-dme: $(STAMP)

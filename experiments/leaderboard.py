@@ -22,9 +22,7 @@ from typing import Any
 import numpy as np
 
 from experiments.report import (
-    _informative,
     _is_fedavg,
-    _label,
     accuracy_plot,
     bytes_to_reach,
     group_runs,
@@ -32,6 +30,22 @@ from experiments.report import (
 )
 
 TOTAL, UPLINK = "total_wire_bytes", "uplink_wire_bytes"
+
+
+#: Downlink keys left out of a recipe's name when they have their usual values.
+_USUAL = {"memory": "error_feedback", "initial": "seeded"}
+
+
+def spec_label(spec: dict[str, Any], usual: dict[str, Any] | None = None) -> str:
+    """``name(key=value, ...)`` of a codec or downlink spec, usual values left out."""
+    params = [f"{k}={v}" for k, v in spec.items() if k != "name" and (usual or {}).get(k) != v]
+    return f"{spec['name']}({', '.join(params)})" if params else str(spec["name"])
+
+
+def recipe_label(config: dict[str, Any]) -> str:
+    """``up <codec> / down <downlink>`` from a run's settings."""
+    downlink = config.get("downlink", {"name": "fp32"})
+    return f"up {spec_label(config['codec'])} / down {spec_label(downlink, _USUAL)}"
 
 
 def _median(values: Sequence[int]) -> float | None:
@@ -59,9 +73,8 @@ def rank_recipes(runs: Sequence[dict[str, Any]], tolerance: float = 0.01) -> lis
         key: _median([b for r in fedavg if (b := bytes_to_reach(r, target, key)) is not None])
         for key in (TOTAL, UPLINK)
     }
-    informative = _informative(keys, list(groups))
     entries = []
-    for group, members in groups.items():
+    for members in groups.values():
         spent = {
             key: [b for m in members if (b := bytes_to_reach(m, target, key)) is not None]
             for key in (TOTAL, UPLINK)
@@ -71,7 +84,7 @@ def rank_recipes(runs: Sequence[dict[str, Any]], tolerance: float = 0.01) -> lis
         uplink = _median(spent[UPLINK])
         entries.append(
             {
-                "recipe": _label(keys, group, informative),
+                "recipe": recipe_label(members[0]["config"]),
                 "fedavg": all(_is_fedavg(m) for m in members),
                 "seeds": len(members),
                 "reached": len(spent[TOTAL]),

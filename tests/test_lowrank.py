@@ -13,7 +13,7 @@ import torch
 from clients.client_app import make_client_app
 from experiments.inprocess import InProcessGrid
 from fedcomp.codecs import PayloadError, TensorPolicy, decode_bytes, make_codec
-from fedcomp.codecs.lowrank import Q_SUFFIX, LowRankCodec, encode_with_powersgd
+from fedcomp.codecs.lowrank import Q_SUFFIX, LowRankCodec
 from fedcomp.codecs.wire import SpecMismatch
 from fedcomp.flower.memory_state import load_memory
 from fedcomp.settings import settings_from_dict
@@ -60,9 +60,7 @@ def test_error_feedback_telescopes_over_rounds() -> None:
     total = torch.zeros(20, 35, dtype=torch.float64)
     for rnd in range(5):
         delta = torch.randn(20, 35, generator=_gen(10 + rnd))
-        payloads, carried, _ = encode_with_powersgd(
-            memory, policy, {"w": delta}, {"w": rnd}, carried
-        )
+        payloads, carried, _ = memory.encode_round(policy, {"w": delta}, {"w": rnd}, carried, rnd)
         sent += decode_bytes(payloads["w"]).double()
         total += delta.double()
         assert carried["w" + Q_SUFFIX].shape == (35, 1)

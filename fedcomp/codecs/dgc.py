@@ -141,38 +141,37 @@ class DGCMemory(Memory):
         new_u = torch.where(sent != 0, torch.zeros_like(u), u)  # momentum factor masking
         return payload, new_u, new_v, v
 
-
-def encode_with_dgc(
-    memory: DGCMemory,
-    policy: TensorPolicy,
-    deltas: Mapping[str, torch.Tensor],
-    seeds: Mapping[str, int],
-    carried: Mapping[str, np.ndarray],
-    server_round: int,
-) -> tuple[dict[str, bytes], dict[str, np.ndarray], dict[str, torch.Tensor]]:
-    """The client half on one reply: payloads, the new state (v under each name, u under
-    ``<name>/momentum``) and what was encoded per tensor (for the error metric)."""
-    payloads: dict[str, bytes] = {}
-    pending: dict[str, np.ndarray] = {}
-    inputs: dict[str, torch.Tensor] = {}
-    for name, delta in deltas.items():
-        codec = policy.codec_for(delta, memory.inner)
-        if codec is not memory.inner:  # raw tensors carry no state
-            payloads[name] = bytes(codec.encode(delta, seed=seeds[name]))
-            inputs[name] = delta
-            continue
-        shape = tuple(delta.shape)
-        u, v = carried.get(name + MOMENTUM_SUFFIX), carried.get(name)
-        if u is None or v is None or u.shape != shape or v.shape != shape:
-            u = v = None  # a new tensor, or the model changed shape: start afresh
-        payload, new_u, new_v, encoded = memory.encode(
-            delta,
-            None if u is None else torch.from_numpy(u),
-            None if v is None else torch.from_numpy(v),
-            seed=seeds[name],
-            server_round=server_round,
-        )
-        payloads[name] = bytes(payload)
-        pending[name], pending[name + MOMENTUM_SUFFIX] = new_v.numpy(), new_u.numpy()
-        inputs[name] = encoded
-    return payloads, pending, inputs
+    def encode_round(
+        self,
+        policy: TensorPolicy,
+        deltas: Mapping[str, torch.Tensor],
+        seeds: Mapping[str, int],
+        carried: Mapping[str, np.ndarray],
+        server_round: int,
+    ) -> tuple[dict[str, bytes], dict[str, np.ndarray], dict[str, torch.Tensor]]:
+        """The client half on one reply: payloads, the new state (v under each name, u under
+        ``<name>/momentum``) and what was encoded per tensor (for the error metric)."""
+        payloads: dict[str, bytes] = {}
+        pending: dict[str, np.ndarray] = {}
+        inputs: dict[str, torch.Tensor] = {}
+        for name, delta in deltas.items():
+            codec = policy.codec_for(delta, self.inner)
+            if codec is not self.inner:  # raw tensors carry no state
+                payloads[name] = bytes(codec.encode(delta, seed=seeds[name]))
+                inputs[name] = delta
+                continue
+            shape = tuple(delta.shape)
+            u, v = carried.get(name + MOMENTUM_SUFFIX), carried.get(name)
+            if u is None or v is None or u.shape != shape or v.shape != shape:
+                u = v = None  # a new tensor, or the model changed shape: start afresh
+            payload, new_u, new_v, encoded = self.encode(
+                delta,
+                None if u is None else torch.from_numpy(u),
+                None if v is None else torch.from_numpy(v),
+                seed=seeds[name],
+                server_round=server_round,
+            )
+            payloads[name] = bytes(payload)
+            pending[name], pending[name + MOMENTUM_SUFFIX] = new_v.numpy(), new_u.numpy()
+            inputs[name] = encoded
+        return payloads, pending, inputs

@@ -28,21 +28,12 @@ import torch
 from fedcomp.codecs.base import Codec, codec_class_by_id, header_for, register
 from fedcomp.codecs.blocks import check_range
 from fedcomp.codecs.wire import Payload, PayloadError, check_field, parse_payload
+from fedcomp.codecs.zstdframes import compress, inflate, zstd
 
 _PARAMS = struct.Struct("<BBHI")
 METHODS = {"zstd": 1}
 DEFAULT_LEVEL = 3
 MAX_LEVEL = 19
-
-
-def _zstd():
-    try:
-        import zstandard
-    except ImportError:  # pragma: no cover - depends on the installation
-        raise ValueError(
-            "codec entropy=zstd needs the zstandard package: pip install 'fedcomp[entropy]'"
-        ) from None
-    return zstandard
 
 
 def max_inner_size(numel: int, ndim: int) -> int:
@@ -66,7 +57,7 @@ class EntropyCodec(Codec):
             raise ValueError(f"entropy must be one of {', '.join(METHODS)}, got {method!r}")
         if isinstance(level, bool) or not isinstance(level, int) or not 1 <= level <= MAX_LEVEL:
             raise ValueError(f"entropy_level must be an integer in 1..{MAX_LEVEL}, got {level!r}")
-        _zstd()  # a missing package is a settings error, not a failed round
+        zstd("codec entropy=zstd")  # a missing package is a settings error, not a failed round
         self.inner, self.method, self.level = inner, method, level
         self.unbiased = inner.unbiased
         self.needs_seed = inner.needs_seed
@@ -86,32 +77,12 @@ class EntropyCodec(Codec):
         check_range(cls.name, "method", method, 1, max(METHODS.values()))
         check_range(cls.name, "reserved", zero, 0, 0)
         check_range(cls.name, "decompressed size", size, 1, max_inner_size(h.numel, len(h.shape)))
-        zstandard = _zstd()
-        frame = bytes(body[_PARAMS.size :])
-        try:
-            declared = zstandard.frame_content_size(frame)
-        except zstandard.ZstdError as exc:
-            raise PayloadError(f"{cls.name}: not a zstd frame ({exc})") from None
-        if declared != size:
-            raise PayloadError(
-                f"{cls.name}: the frame declares {declared} bytes, the header {size}",
-                field="decompressed size",
-                value=declared,
-                expected=size,
-            )
-        # A streaming object, to see the frame end exactly where the body ends (one-shot
-        # decompression ignores trailing bytes); libzstd stops at the declared content
-        # size, which is bounded above.
-        stream = zstandard.ZstdDecompressor().decompressobj()
-        try:
-            inner_bytes = stream.decompress(frame)
-        except zstandard.ZstdError as exc:
-            raise PayloadError(f"{cls.name}: corrupt zstd frame ({exc})") from None
-        if not stream.eof or stream.unused_data or len(inner_bytes) != size:
-            raise PayloadError(
-                f"{cls.name}: the body is not exactly one zstd frame of {size} bytes "
-                f"({len(inner_bytes)} decompressed, {len(stream.unused_data)} bytes after it)"
-            )
+        inner_bytes = inflate(
+            bytes(body[_PARAMS.size :]),
+            limit=max_inner_size(h.numel, len(h.shape)),
+            what=cls.name,
+            expected=size,
+        )
         inner = parse_payload(inner_bytes, max_numel=h.numel)
         ih = inner.header
         if ih.shape != h.shape or ih.dtype != h.dtype or ih.seed != h.seed:
@@ -145,7 +116,7 @@ class EntropyCodec(Codec):
     def encode(self, x: torch.Tensor, *, seed: int) -> Payload:
         inner = self.inner.encode(x, seed=seed)
         raw = bytes(inner)
-        frame = _zstd().ZstdCompressor(level=self.level, write_content_size=True).compress(raw)
+        frame = compress(raw, self.level)
         params = _PARAMS.pack(METHODS[self.method], self.level, 0, len(raw))
         return Payload(header_for(self.codec_id, x, inner.header.seed), params + frame)
 

@@ -193,35 +193,35 @@ class PowerSGDMemory(Memory):
         sent = LowRankCodec.decode_payload(payload).to(torch.float32)
         return payload, m - sent, q_new, m
 
-
-def encode_with_powersgd(
-    memory: PowerSGDMemory,
-    policy: TensorPolicy,
-    deltas: Mapping[str, torch.Tensor],
-    seeds: Mapping[str, int],
-    carried: Mapping[str, np.ndarray],
-) -> tuple[dict[str, bytes], dict[str, np.ndarray], dict[str, torch.Tensor]]:
-    """The client half on one reply: payloads, the new state (the error under each name,
-    Q under ``<name>/q``) and what was encoded per tensor."""
-    payloads: dict[str, bytes] = {}
-    pending: dict[str, np.ndarray] = {}
-    inputs: dict[str, torch.Tensor] = {}
-    for name, delta in deltas.items():
-        codec = policy.codec_for(delta, memory.inner)
-        if codec is not memory.inner:
-            payloads[name] = bytes(codec.encode(delta, seed=seeds[name]))
-            inputs[name] = delta
-            continue
-        error, q = carried.get(name), carried.get(name + Q_SUFFIX)
-        if error is not None and error.shape != tuple(delta.shape):
-            error = q = None  # the model changed shape: start afresh
-        payload, new_error, new_q, encoded = memory.encode(
-            delta,
-            None if error is None else torch.from_numpy(error),
-            None if q is None else torch.from_numpy(q),
-            seed=seeds[name],
-        )
-        payloads[name] = bytes(payload)
-        pending[name], pending[name + Q_SUFFIX] = new_error.numpy(), new_q.numpy()
-        inputs[name] = encoded
-    return payloads, pending, inputs
+    def encode_round(
+        self,
+        policy: TensorPolicy,
+        deltas: Mapping[str, torch.Tensor],
+        seeds: Mapping[str, int],
+        carried: Mapping[str, np.ndarray],
+        server_round: int,
+    ) -> tuple[dict[str, bytes], dict[str, np.ndarray], dict[str, torch.Tensor]]:
+        """The client half on one reply: payloads, the new state (the error under each name,
+        Q under ``<name>/q``) and what was encoded per tensor."""
+        payloads: dict[str, bytes] = {}
+        pending: dict[str, np.ndarray] = {}
+        inputs: dict[str, torch.Tensor] = {}
+        for name, delta in deltas.items():
+            codec = policy.codec_for(delta, self.inner)
+            if codec is not self.inner:
+                payloads[name] = bytes(codec.encode(delta, seed=seeds[name]))
+                inputs[name] = delta
+                continue
+            error, q = carried.get(name), carried.get(name + Q_SUFFIX)
+            if error is not None and error.shape != tuple(delta.shape):
+                error = q = None  # the model changed shape: start afresh
+            payload, new_error, new_q, encoded = self.encode(
+                delta,
+                None if error is None else torch.from_numpy(error),
+                None if q is None else torch.from_numpy(q),
+                seed=seeds[name],
+            )
+            payloads[name] = bytes(payload)
+            pending[name], pending[name + Q_SUFFIX] = new_error.numpy(), new_q.numpy()
+            inputs[name] = encoded
+        return payloads, pending, inputs

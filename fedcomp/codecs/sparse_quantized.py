@@ -30,6 +30,7 @@ import struct
 import numpy as np
 import torch
 
+from fedcomp.codecs import zstdframes
 from fedcomp.codecs.base import Codec, header_for, register
 from fedcomp.codecs.blocks import check_block, check_finite, check_range
 from fedcomp.codecs.packing import decode_varints, encode_varints
@@ -42,14 +43,6 @@ BITMAP, GAPS, ZSTD_BITMAP, ZSTD_GAPS = 0, 1, 2, 3
 FORMATS = {BITMAP: "bitmap", GAPS: "gaps", ZSTD_BITMAP: "zstd bitmap", ZSTD_GAPS: "zstd gaps"}
 #: Coordinates sampled to set the selection threshold.
 SAMPLE = 1 << 16
-
-
-def _zstd():
-    try:
-        import zstandard
-    except ImportError:  # pragma: no cover - depends on the installation
-        return None
-    return zstandard
 
 
 def select_topk(flat: torch.Tensor, k: int, seed: int, sampled: bool = True) -> torch.Tensor:
@@ -77,39 +70,17 @@ def _index_candidates(idx: np.ndarray, n: int) -> dict[int, bytes]:
     bitmap = np.packbits(mask).tobytes()
     gaps = encode_varints(np.diff(idx, prepend=-1) - 1)
     forms = {BITMAP: bitmap, GAPS: gaps}
-    zstandard = _zstd()
-    if zstandard is not None:
-        compressor = zstandard.ZstdCompressor(level=3, write_content_size=True)
-        forms[ZSTD_BITMAP] = compressor.compress(bitmap)
-        forms[ZSTD_GAPS] = compressor.compress(gaps)
+    if zstdframes.available():
+        forms[ZSTD_BITMAP] = zstdframes.compress(bitmap)
+        forms[ZSTD_GAPS] = zstdframes.compress(gaps)
     return forms
-
-
-def _unzstd(data: bytes, limit: int) -> bytes:
-    """Decompress one zstd frame of at most ``limit`` bytes, declared up front."""
-    zstandard = _zstd()
-    if zstandard is None:
-        raise PayloadError("sparseq: a zstd index section needs the zstandard package")
-    try:
-        size = zstandard.frame_content_size(data)
-    except zstandard.ZstdError as exc:
-        raise PayloadError(f"sparseq: index section is not a zstd frame ({exc})") from None
-    if not 0 <= size <= limit:
-        raise PayloadError(f"sparseq: index section declares {size} bytes (at most {limit})")
-    stream = zstandard.ZstdDecompressor().decompressobj()
-    try:
-        out = stream.decompress(data)
-    except zstandard.ZstdError as exc:
-        raise PayloadError(f"sparseq: corrupt index section ({exc})") from None
-    if not stream.eof or stream.unused_data or len(out) != size:
-        raise PayloadError("sparseq: the index section is not exactly one zstd frame")
-    return out
 
 
 def decode_indices(fmt: int, data: bytes, k: int, n: int) -> np.ndarray:
     """The k sorted indices of an index section, checked (count, order, range)."""
     if fmt in (ZSTD_BITMAP, ZSTD_GAPS):
-        data = _unzstd(data, (n + 7) // 8 if fmt == ZSTD_BITMAP else 9 * k)
+        limit = (n + 7) // 8 if fmt == ZSTD_BITMAP else 9 * k
+        data = zstdframes.inflate(data, limit=limit, what="sparseq index section")
         fmt -= 2
     if fmt == BITMAP:
         if len(data) != (n + 7) // 8:

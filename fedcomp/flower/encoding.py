@@ -20,8 +20,8 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from fedcomp.codecs import Codec, ErrorFeedback, ResidualMemory, TensorPolicy, decode_bytes
-from fedcomp.codecs.dgc import DGCMemory, encode_with_dgc
-from fedcomp.codecs.lowrank import PowerSGDMemory, encode_with_powersgd
+from fedcomp.codecs.dgc import DGCMemory
+from fedcomp.codecs.lowrank import PowerSGDMemory
 from fedcomp.codecs.memory import encode_with_feedback
 from fedcomp.codecs.residual import SYNC_FULL, SYNC_NORMAL
 from fedcomp.controlvariates import choose_sync, covered_tensors, encode_residual, residual_header
@@ -166,16 +166,11 @@ def encode_update(
     codec, policy, config = instruction.codec, instruction.policy, instruction.config
     seeds = instruction.seeds(deltas)
     ack = int(config.get(KEY_ACK_ROUND, -1))
-    if isinstance(codec, PowerSGDMemory):
+    if isinstance(codec, PowerSGDMemory | DGCMemory):  # several arrays per tensor
         memory = load_memory()
         carried = memory.begin_round(ack, json.dumps(codec.spec()))
-        payloads, pending, inputs = encode_with_powersgd(codec, policy, deltas, seeds, carried)
-        return Encoded(payloads, inputs=inputs, memory=memory, pending=pending)
-    if isinstance(codec, DGCMemory):
-        memory = load_memory()
-        carried = memory.begin_round(ack, json.dumps(codec.spec()))
-        payloads, pending, inputs = encode_with_dgc(
-            codec, policy, deltas, seeds, carried, instruction.round
+        payloads, pending, inputs = codec.encode_round(
+            policy, deltas, seeds, carried, instruction.round
         )
         return Encoded(payloads, inputs=inputs, memory=memory, pending=pending)
     if isinstance(codec, ErrorFeedback):
