@@ -160,4 +160,5 @@ def leaderboard_plot(
     """Accuracy against cumulative total bytes for FedAvg and the ``top`` recipes."""
     entries = rank_recipes(runs, tolerance)
     chosen = [e for e in entries if e["fedavg"]] + [e for e in entries if not e["fedavg"]][:top]
-    return accuracy_plot([m for e in chosen for m in e["members"]], path, TOTAL)
+    runs_shown = [m for e in chosen for m in e["members"]]
+    return accuracy_plot(runs_shown, path, TOTAL, label_of=lambda run: recipe_label(run["config"]))

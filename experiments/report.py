@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -442,7 +442,10 @@ def _informative(keys: Sequence[str], groups: Sequence[tuple]) -> set[str]:
 
 
 def accuracy_plot(
-    runs: Sequence[dict[str, Any]], path: Path, key: str = "total_wire_bytes"
+    runs: Sequence[dict[str, Any]],
+    path: Path,
+    key: str = "total_wire_bytes",
+    label_of: Callable[[dict[str, Any]], str] | None = None,
 ) -> Path:
     """Accuracy (mean over seeds, shaded min..max) against mean cumulative bytes
     (``key``: total_wire_bytes, every message both ways, or uplink_codec_bytes or
@@ -467,7 +470,7 @@ def accuracy_plot(
                 for m in members
             ]
         )
-        label = _label(keys, group, informative)
+        label = label_of(members[0]) if label_of else _label(keys, group, informative)
         color = plt.cm.tab20(i % 20)
         style = "--" if "residual" in label else "-"
         ax.plot(spent, np.nanmean(acc, axis=0), style, marker=".", label=label, color=color)
