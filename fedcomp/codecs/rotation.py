@@ -117,7 +117,7 @@ def _flip_signs_(flat: torch.Tensor, bits: torch.Tensor) -> None:
         flat.view(torch.uint8)[3::4].bitwise_xor_(bits << 7)
 
 
-def _by_size(sizes: list[int]) -> list[tuple[int, int, int]]:
+def size_runs(sizes: list[int]) -> list[tuple[int, int, int]]:
     """Runs of equal block sizes: (start offset, block size, count)."""
     runs: list[tuple[int, int, int]] = []
     offset = 0
@@ -134,7 +134,7 @@ def _by_size(sizes: list[int]) -> list[tuple[int, int, int]]:
 def _transform_blocks(flat: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     """The Hadamard transform of every block (one batch per run of equal sizes)."""
     out = torch.empty_like(flat)
-    for start, size, count in _by_size(sizes):
+    for start, size, count in size_runs(sizes):
         end = start + size * count
         hadamard(flat[start:end].view(count, size), out=out[start:end].view(count, size))
     return out

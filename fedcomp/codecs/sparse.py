@@ -25,7 +25,7 @@ _TOPK = struct.Struct("<QQ")
 _RANDK = struct.Struct("<Q")
 
 
-def _check_size(fraction: float | None, k: int | None, codec: str) -> None:
+def check_size(fraction: float | None, k: int | None, codec: str) -> None:
     if (fraction is None) == (k is None):
         raise ValueError(f"{codec}: give exactly one of fraction and k")
     if fraction is not None and not (isinstance(fraction, int | float) and 0 < fraction <= 1):
@@ -75,7 +75,7 @@ class _Sparsifier(Codec):
     def __init__(self, fraction: float | None = None, k: int | None = None) -> None:
         if fraction is None and k is None:
             fraction = 0.01
-        _check_size(fraction, k, self.name)
+        check_size(fraction, k, self.name)
         self.fraction, self.k = fraction, k
 
     def spec(self) -> dict:

@@ -35,7 +35,7 @@ from fedcomp.codecs.base import Codec, header_for, register
 from fedcomp.codecs.blocks import check_block, check_finite, check_range
 from fedcomp.codecs.packing import decode_varints, encode_varints
 from fedcomp.codecs.quantizers import UniformCodec
-from fedcomp.codecs.sparse import kept
+from fedcomp.codecs.sparse import check_size, kept
 from fedcomp.codecs.wire import Payload, PayloadError, PayloadHeader
 
 _PARAMS = struct.Struct("<BBHIQQ")
@@ -125,12 +125,7 @@ class SparseQuantizedCodec(Codec):
     ) -> None:
         if fraction is None and k is None:
             fraction = 0.01
-        if (fraction is None) == (k is None):
-            raise ValueError("sparseq: give exactly one of fraction and k")
-        if fraction is not None and not (isinstance(fraction, int | float) and 0 < fraction <= 1):
-            raise ValueError(f"sparseq: fraction must be in (0, 1], got {fraction!r}")
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
-            raise ValueError(f"sparseq: k must be a positive integer, got {k!r}")
+        check_size(fraction, k, self.name)
         if selection not in ("sampled", "exact"):
             raise ValueError(f"sparseq: selection must be sampled or exact, got {selection!r}")
         self.values = UniformCodec(bits=bits, block=check_block(block))
