@@ -36,9 +36,15 @@ def pack_bits(codes: np.ndarray, bits: int) -> bytes:
         for j in range(1, per):
             out |= padded[j::per] << np.uint8(8 - bits * (j + 1))
         return out.tobytes()
-    # 3, 5, 6, 7 bits: go through bit planes.
-    planes = np.unpackbits(codes[:, None], axis=1)[:, 8 - bits :]
-    return np.packbits(planes.reshape(-1)).tobytes()
+    # 3, 5, 6, 7 bits: eight codes make exactly ``bits`` bytes, one big-endian integer.
+    groups = np.zeros(-(-codes.size // 8) * 8, dtype=np.uint8)
+    groups[: codes.size] = codes
+    groups = groups.reshape(-1, 8)
+    word = groups[:, 0].astype(np.uint64) << np.uint64(7 * bits)
+    for j in range(1, 8):
+        word |= groups[:, j].astype(np.uint64) << np.uint64((7 - j) * bits)
+    out = word.astype(">u8").view(np.uint8).reshape(-1, 8)[:, 8 - bits :]
+    return out.tobytes()[: packed_size(codes.size, bits)]
 
 
 def unpack_bits(buf: bytes | memoryview, n: int, bits: int) -> np.ndarray:
@@ -60,9 +66,17 @@ def unpack_bits(buf: bytes | memoryview, n: int, bits: int) -> np.ndarray:
         for j in range(per):
             out[j::per] = (raw >> np.uint8(8 - bits * (j + 1))) & mask
         return out[:n]
-    planes = np.unpackbits(raw, count=n * bits).reshape(n, bits)
-    weights = (1 << np.arange(bits - 1, -1, -1)).astype(np.uint8)
-    return (planes * weights).sum(axis=1, dtype=np.uint16).astype(np.uint8)
+    groups = -(-n // 8)
+    whole = np.zeros(groups * bits, dtype=np.uint8)
+    whole[: raw.size] = raw  # whole groups of eight codes, zero-padded
+    padded = np.zeros((groups, 8), dtype=np.uint8)
+    padded[:, 8 - bits :] = whole.reshape(groups, bits)
+    word = padded.view(">u8").reshape(-1).astype(np.uint64)
+    mask = np.uint64((1 << bits) - 1)
+    out = np.empty((groups, 8), dtype=np.uint8)
+    for j in range(8):
+        out[:, j] = (word >> np.uint64((7 - j) * bits)) & mask
+    return out.reshape(-1)[:n]
 
 
 def encode_varints(values: np.ndarray) -> bytes:

@@ -123,11 +123,11 @@ class TopKCodec(_Sparsifier):
         check_finite(x, self.name)
         flat = x.detach().reshape(-1).to(torch.float32)
         k = kept(flat.numel(), self.fraction, self.k)
-        idx = (
-            torch.topk(flat.abs(), k, sorted=False).indices.sort().values
-            if k
-            else flat.new_zeros(0, dtype=torch.int64)
-        )
+        # DGC's sampled threshold, then an exact top-k among the candidates (the exact
+        # top-k set, without sorting the tensor; fedcomp.codecs.sparse_quantized)
+        from fedcomp.codecs.sparse_quantized import select_topk  # it imports this module
+
+        idx = select_topk(flat, k, seed)
         idx_np = idx.numpy().astype(np.int64)
         gaps = np.diff(idx_np, prepend=-1) - 1  # >= 0 for strictly increasing indices
         varints = encode_varints(gaps)
