@@ -217,3 +217,45 @@ def test_server_optimizers_keep_the_models_dtypes_and_every_reply(inner: str) ->
             assert {k: np.asarray(a.numpy()).dtype for k, a in record.items()} == {
                 k: initial[k].dtype for k in initial.keys()
             }
+
+
+def _model_fields(value):
+    """A round record without what varies run to run: timings and wire bytes (Flower's
+    message metadata differs by a few bytes)."""
+    if isinstance(value, dict):
+        return {
+            k: _model_fields(v)
+            for k, v in value.items()
+            if not k.endswith("_s") and "wire" not in k and k != "traffic"
+        }
+    if isinstance(value, list):
+        return [_model_fields(v) for v in value]
+    return value
+
+
+def test_mirrors_on_disk_through_the_settings_change_nothing_but_where_they_live(tmp_path) -> None:
+    """``aggregation.mirror_dir`` through the ServerApp's own wrapper: one file per
+    client holding exactly the control variate the client's last accepted reply
+    produced, and the same rounds, bit for bit, as with the mirrors in memory."""
+    from strategies.server_app import run_server
+
+    def run(**aggregation):
+        settings = _settings(num_rounds=3, train={"local_epochs": 1}, aggregation=aggregation)
+        grid = InProcessGrid(make_client_app(), N)
+        results = run_server(grid, settings)
+        return results, grid
+
+    in_memory, _ = run()
+    on_disk, grid = run(mirror_dir=str(tmp_path / "mirrors"))
+    files = sorted(p.name for p in (tmp_path / "mirrors").glob("client-*.npz"))
+    assert files == [f"client-{sid}.npz" for sid in range(N)]
+    assert _model_fields(in_memory["rounds"]) == _model_fields(on_disk["rounds"])
+    for node_id, context in grid.contexts.items():
+        sid = grid.partition_of(node_id)
+        memory = load_memory(context.state)
+        with np.load(tmp_path / "mirrors" / f"client-{sid}.npz") as data:
+            mirror = {k: data[k] for k in data.files if k != "__version__"}
+            # the last reply was accepted; the client commits it on the next ack
+            assert int(data["__version__"]) == memory.pending_version == 3, sid
+        assert set(mirror) == set(memory.pending)
+        assert all(np.array_equal(mirror[k], memory.pending[k]) for k in mirror)
