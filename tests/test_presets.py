@@ -58,6 +58,8 @@ def test_presets_name_the_experiments_and_validate() -> None:
         "bidirectional_digits_smoke": 2 * 2,
         "leaderboard_digits": 19 * 3,
         "leaderboard_digits_smoke": 3,
+        "cross_device_smoke": 1,
+        "cross_device": 3 * 3,
     }
     swept: dict[str, list[Settings]] = {}
     for name, count in expected_runs.items():
@@ -65,7 +67,9 @@ def test_presets_name_the_experiments_and_validate() -> None:
         swept[name] = each_value_once(name)
         for s in swept[name]:
             validate(s)
-            if "digits" not in name:
+            if "cross_device" in name:
+                assert s.dataset.name == "synthetic"
+            elif "digits" not in name:
                 assert s.dataset.name == ("cifar10" if "cifar10" in name else "femnist")
     residual = swept["residual_femnist"]
     assert {s.codec["name"] for s in residual} == {"fp32", "uniform", "residual"}
@@ -394,3 +398,36 @@ def test_report_selects_runs_by_setting() -> None:
     assert kept == [runs[1], runs[3]]
     with pytest.raises(FileNotFoundError, match=r"codec\.name=nope"):
         select(runs, ["codec.name=nope"])
+
+
+def _state_bytes(state) -> int:
+    return sum(
+        len(array.data) for record in state.array_records.values() for array in record.values()
+    )
+
+
+def test_cross_device_smoke_learns_ids_once_and_keeps_state_only_where_clients_trained() -> None:
+    """1,000 virtual clients, 20 a round: identity discovery is exactly one message each
+    way per node, in round 1 only; every sampled client replies; and Context.state
+    (held by the driver process in simulation) grows only for clients that were sampled.
+    """
+    (settings,) = preset_settings("cross_device_smoke")
+    assert settings.num_clients == 1000
+    ids = [10_000 + i for i in range(settings.num_clients)]  # random-looking, as Flower's
+    grid = InProcessGrid(make_client_app(), settings.num_clients, node_ids=ids)
+    results = run_server(grid, settings)
+    first, *later = results["rounds"]
+    assert first["traffic"]["identity_query"]["messages"] == 1000
+    assert first["traffic"]["identity_reply"]["messages"] == 1000
+    assert all("identity_query" not in r["traffic"] for r in later)
+    assert [(r["selected"], r["replied"]) for r in results["rounds"]] == [(20, 20)] * 3
+    # clients sent a round's train or evaluate instruction (not the identity message)
+    reached = {
+        grid.partition_of(m.metadata.dst_node_id)
+        for m in grid.sent
+        if m.metadata.group_id.isdigit()
+    }
+    sizes = {grid.partition_of(n): _state_bytes(c.state) for n, c in grid.contexts.items()}
+    assert 20 <= len(reached) <= 3 * (20 + 10)
+    assert all(sizes[sid] > 0 for sid in reached)
+    assert all(size == 0 for sid, size in sizes.items() if sid not in reached)
