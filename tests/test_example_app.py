@@ -6,6 +6,7 @@ from this environment, as a pre-installed wheel would)."""
 from __future__ import annotations
 
 import re
+import shutil
 import time
 from pathlib import Path
 
@@ -21,14 +22,14 @@ from experiments.deployment.processes import (
     stop_components,
 )
 from experiments.runtime import PROJECT_ROOT
+from fedcomp.keys import RECORD_PAYLOAD
 
 EXAMPLE = PROJECT_ROOT / "examples" / "quickstart_fedcomp"
 
 
-@pytest.mark.deployment
-def test_the_quickstart_example_runs_compressed_under_a_simulation_superlink(
-    tmp_path: Path,
-) -> None:
+def _flwr_run(app: Path, tmp_path: Path, rounds: int) -> str:
+    """``flwr run <app>`` against a simulation SuperLink (4 SuperNodes) started here;
+    the run's log once it completed (stopping everything it started)."""
     home = tmp_path / "flwr-home"
     port = free_port("127.0.0.1")
     env = child_env({"FLWR_HOME": str(home)})
@@ -46,7 +47,15 @@ def test_the_quickstart_example_runs_compressed_under_a_simulation_superlink(
         write_connection(home, "sim", {**entry, "options": {"num-supernodes": 4}})
         cli = FlwrCli("sim", env, tmp_path, tmp_path / "flwr-cli.log")
         reply = cli.call(
-            ["run", str(EXAMPLE), "sim", "--format", "json", "--run-config", "num-server-rounds=2"],
+            [
+                "run",
+                str(app),
+                "sim",
+                "--format",
+                "json",
+                "--run-config",
+                f"num-server-rounds={rounds}",
+            ],
             what="flwr run",
         )
         run_id = int(reply["run-id"])
@@ -55,9 +64,16 @@ def test_the_quickstart_example_runs_compressed_under_a_simulation_superlink(
             assert not status[0].startswith("finished"), status
             assert time.monotonic() < deadline, "the example run did not finish"
             time.sleep(2)
-        log = _run_log(cli, run_id)
+        return _run_log(cli, run_id)
     finally:
         stop_components([link], grace_s=10)
+
+
+@pytest.mark.deployment
+def test_the_quickstart_example_runs_compressed_under_a_simulation_superlink(
+    tmp_path: Path,
+) -> None:
+    log = _flwr_run(EXAMPLE, tmp_path, rounds=2)
     # fedcomp's lines reach Flower's log; FedAvg's own fraction_evaluate is respected.
     assert "CompressedStrategy: codec" in log and "stable ids known for 4 of 4" in log
     assert log.count("configure_evaluate: Sampled 2 nodes (out of 4)") == 2
@@ -68,6 +84,45 @@ def test_the_quickstart_example_runs_compressed_under_a_simulation_superlink(
     # total traffic is several times below fp32's.
     assert float(rounds[1][1]) > 4
     assert (tmp_path / "final_model.pt").stat().st_size > 10_000
+
+
+#: A mod outside fedcomp's that truncates partition 0's first payload after encoding:
+#: the malformed reply then crosses Flower's real transport (gRPC, the SuperLink).
+_TAMPER = """
+
+def _truncate_partition_0(msg, context, call_next):
+    reply = call_next(msg, context)
+    payloads = reply.content.array_records.get("fedcomp.payload")
+    if int(context.node_config["partition-id"]) == 0 and payloads is not None:
+        name = next(iter(payloads.keys()))
+        data = payloads[name].data[:-7]
+        payloads[name] = Array(dtype="uint8", shape=(len(data),), stype="raw", data=data)
+    return reply
+
+
+app = ClientApp(mods=[_truncate_partition_0, CompressionMod()])
+"""
+
+
+@pytest.mark.deployment
+def test_a_truncated_payload_through_a_real_superlink_is_one_clients_failure(
+    tmp_path: Path,
+) -> None:
+    """The quickstart app with a hostile mod on one SuperNode: its reply is rejected as
+    malformed in every round, logged with its kind, and the other three aggregate."""
+    app = tmp_path / "app"
+    shutil.copytree(EXAMPLE, app, ignore=shutil.ignore_patterns("__pycache__", "*.pt"))
+    client = app / "quickstart_fedcomp" / "client_app.py"
+    source = client.read_text()
+    assert RECORD_PAYLOAD == "fedcomp.payload" and "app = ClientApp(" in source
+    source = source.replace("from flwr.app import ", "from flwr.app import Array, ")
+    source = source.replace("app = ClientApp(mods=[CompressionMod()])", _TAMPER.strip())
+    client.write_text(source)
+    log = _flwr_run(app, tmp_path, rounds=2)
+    rounds = re.findall(r"round (\d)/2 \|.*?(\d)/(\d) replied", log)
+    assert [(r[0], r[1], r[2]) for r in rounds] == [("1", "3", "4"), ("2", "3", "4")]
+    rejected = re.findall(r"round (\d): rejected reply of client 0 \[malformed\]", log)
+    assert rejected == ["1", "2"]
 
 
 def _run_log(cli: FlwrCli, run_id: int) -> str:
