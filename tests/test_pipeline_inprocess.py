@@ -567,3 +567,27 @@ def test_two_nodes_claiming_one_stable_id_are_refused_loudly(caplog) -> None:
     assert refused in (twin, original)
     assert strategy.clients.ids.stable_ids() == list(range(N - 1))
     assert strategy.rounds[0]["replied"] == N - 1
+
+
+@pytest.mark.parametrize(("min_numel", "expected"), [(0, "uniform"), (10**7, "raw")])
+def test_the_policy_threshold_from_the_settings_reaches_the_clients(min_numel, expected) -> None:
+    """``policy.min_numel`` travels to every client: 0 compresses every tensor (biases
+    included), a threshold above the model's largest tensor sends all of them raw,
+    whose bytes are then exactly fp32's."""
+    settings = settings_from_dict(
+        {
+            "num_clients": N,
+            "num_rounds": 1,
+            "fraction_evaluate": 0.0,
+            "codec": {"name": "uniform", "bits": 2, "block": 64},
+            "policy": {"min_numel": min_numel},
+            "train": {"local_epochs": 1},
+        }
+    )
+    (record,) = run_server(InProcessGrid(make_client_app(), N), settings)["rounds"]
+    assert set(record["codec"]["per_tensor"].values()) == {expected}
+    assert len(record["codec"]["per_tensor"]) == len(
+        list(build_model(settings.model, "digits", 0).state_dict())
+    )
+    if expected == "raw":
+        assert record["codec"]["fp32_codec_bytes"] == record["uplink_codec_bytes"]
