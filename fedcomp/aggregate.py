@@ -7,16 +7,21 @@ updates sorted by stable client id), so the result never depends on reply order.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 
 
 def weighted_mean(
-    updates: Sequence[Mapping[str, np.ndarray]], weights: Sequence[float]
+    updates: Sequence[Mapping[str, np.ndarray] | Callable[[], Mapping[str, np.ndarray]]],
+    weights: Sequence[float],
 ) -> dict[str, np.ndarray]:
     """sum_i (w_i / W) x_i per tensor, accumulated in the tensors' own dtype, in order.
+
+    An update may be given as a function that returns it: it is then called when its
+    turn comes and not kept, so only the running sum and one update are alive (the
+    streaming hand-off); the arithmetic is the same either way.
 
     Like Flower's ``aggregate_arrayrecords`` (factor w_i / W first, then a running
     sum), but each step ``acc + factor * x`` is one fused torch pass instead of a
@@ -38,9 +43,12 @@ def weighted_mean(
         raise ValueError(f"weights must be positive and finite, got {list(weights)!r}")
     total = float(sum(weights))
     mean: dict[str, torch.Tensor] = {}
-    for update, weight in zip(updates, weights, strict=True):
+    dtypes: dict[str, np.dtype] = {}
+    for given, weight in zip(updates, weights, strict=True):
+        update = given() if callable(given) else given
         factor = weight / total
         for name, value in update.items():
+            dtypes.setdefault(name, value.dtype)
             x = torch.from_numpy(value if value.flags.c_contiguous else value.copy())
             if value.dtype.kind != "f":
                 x = x.to(torch.float64)
@@ -48,10 +56,9 @@ def weighted_mean(
                 mean[name].add_(x, alpha=factor)
             else:
                 mean[name] = x * factor
-    first = updates[0]
     return {
         name: value.numpy()
-        if first[name].dtype.kind == "f"
-        else np.rint(value.numpy()).astype(first[name].dtype)
+        if dtypes[name].kind == "f"
+        else np.rint(value.numpy()).astype(dtypes[name])
         for name, value in mean.items()
     }

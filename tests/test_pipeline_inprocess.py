@@ -591,3 +591,46 @@ def test_the_policy_threshold_from_the_settings_reaches_the_clients(min_numel, e
     )
     if expected == "raw":
         assert record["codec"]["fp32_codec_bytes"] == record["uplink_codec_bytes"]
+
+
+def _live_update_peak(monkeypatch, handoff: str, n: int = 12) -> int:
+    """The most decoded updates alive at once while the server takes a round: each
+    decode's largest array is watched with a weak reference until it is freed."""
+    import weakref
+
+    from fedcomp.flower import decoding
+
+    live, peak = [0], [0]
+    original = decoding.decode_payloads
+
+    def watched(*args, **kwargs):
+        deltas, codecs = original(*args, **kwargs)
+        biggest = max(deltas.values(), key=lambda a: a.size)
+        live[0] += 1
+        peak[0] = max(peak[0], live[0])
+        weakref.finalize(biggest, lambda: live.__setitem__(0, live[0] - 1))
+        return deltas, codecs
+
+    monkeypatch.setattr(decoding, "decode_payloads", watched)
+    settings = settings_from_dict(
+        {
+            "num_clients": n,
+            "num_rounds": 1,
+            "fraction_evaluate": 0.0,
+            "codec": {"name": "uniform", "bits": 4, "block": 64},
+            "aggregation": {"handoff": handoff, "norm_cap": 2.0},
+            "train": {"local_epochs": 1},
+        }
+    )
+    ids = [10_000 + i for i in range(n)]
+    run_server(InProcessGrid(make_client_app(), n, node_ids=ids), settings)
+    return peak[0]
+
+
+def test_the_pre_aggregated_mean_keeps_at_most_two_decoded_updates_alive(monkeypatch) -> None:
+    """Streaming: each update is released once its norm is known and decoded again when
+    the mean adds it, so two are alive at most; the per-client hand-off, which must hand
+    the inner strategy every update, holds all of them (what the test would see if the
+    mean kept a list)."""
+    assert _live_update_peak(monkeypatch, "pre_aggregated") <= 2
+    assert _live_update_peak(monkeypatch, "per_client") == 12

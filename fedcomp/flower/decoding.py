@@ -20,6 +20,7 @@ from fedcomp.codecs.residual import SYNC_FULL, SYNC_RESTART
 from fedcomp.controlvariates import ControlVariateServer
 from fedcomp.failures import Failure, failure_of, short_reason
 from fedcomp.flower.accounting import count, record_bytes
+from fedcomp.flower.guards import norm_of
 from fedcomp.flower.joint import split_reply
 from fedcomp.flower.records import account_reply, empty_client_row
 from fedcomp.flower.round_state import Decoded, RoundState
@@ -68,8 +69,12 @@ class ReplyDecoder:
         cv: ControlVariateServer | None,
         stable_of: Callable[[int], int | None],
         reject_factor: float,
+        stream: bool = False,
     ) -> None:
         self.codec = codec
+        #: Release each decoded update once its norm is known and decode it again when
+        #: the reducer adds it (stateless codecs, plain mean): bounded server memory.
+        self.stream = stream and cv is None and not isinstance(codec, OneBitCode)
         self.joint = isinstance(codec, OneBitCode)
         #: The stateless codec clients use for compressed tensors (what every payload is
         #: checked against); None for a joint code, whose payloads check themselves.
@@ -164,15 +169,38 @@ class ReplyDecoder:
                         f"{repeats[sid]} replies from this client in one round; all dropped",
                         Failure.DUPLICATE,
                     )
-                decoded.append(self.decode_reply(msg, state))
+                item = self.decode_reply(msg, state)
+                if self.stream:
+                    self._release(item, state)
+                decoded.append(item)
             except Exception as exc:  # every failure is this client's only (docstring)
                 reject(state, sid, exc)
         decoded.sort(key=lambda d: d.stable_id)  # reply order never matters
         return decoded
 
+    def _release(self, item: Decoded, state: RoundState) -> None:
+        """Keep the update's norm, drop the dense update, decode it again on load."""
+        item.norm = update_norm(item.deltas)
+        item.deltas = {}
+        item.reload = lambda: self._redecode(item.message, item.stable_id, state)
+
+    def _redecode(self, msg: Message, sid: int, state: RoundState) -> dict:
+        """The same checks and decoders as the first time, on the same bytes."""
+        _, _, _, payloads = check_reply(msg.content, sid, state.number)
+        deltas, _ = decode_payloads(
+            payloads,
+            state.global_arrays,
+            codec=self._wire_codec(state.number),
+            policy=self.policy,
+            run_seed=self.run_seed,
+            server_round=state.number,
+            stable_id=sid,
+        )
+        return deltas
+
     def drop_outliers(self, decoded: list[Decoded], state: RoundState) -> list[Decoded]:
         """Drop replies whose update norm is beyond ``reject_factor`` x the median."""
-        norms = [update_norm(d.deltas) for d in decoded]
+        norms = [norm_of(d) for d in decoded]
         beyond = outliers(norms, self.reject_factor)
         kept = []
         for item, norm, out in zip(decoded, norms, beyond, strict=True):

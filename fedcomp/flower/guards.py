@@ -33,17 +33,25 @@ def cap_weights(decoded: list[Decoded], factor: float) -> int:
     return capped
 
 
+def norm_of(item: Decoded) -> float:
+    """A decoded update's L2 norm (measured at decoding when it was released)."""
+    return item.norm if item.norm is not None else update_norm(item.deltas)
+
+
 def clip_norms(decoded: list[Decoded], factor: float) -> int:
     """Scale updates beyond ``factor`` x the median norm down to it; return how many
     (clipping, not rejection: a residual mirror has already moved with the reply)."""
-    norms = [update_norm(d.deltas) for d in decoded]
+    norms = [norm_of(d) for d in decoded]
     clipped = 0
     for item, norm, scale in zip(decoded, norms, clip_scales(norms, factor), strict=True):
         if scale != 1.0:
-            item.deltas = {
-                k: (v * scale).astype(v.dtype) if v.dtype.kind == "f" else v
-                for k, v in item.deltas.items()
-            }
+            if item.reload is not None:  # released: scaled when the reducer loads it
+                item.scale = scale
+            else:
+                item.deltas = {
+                    k: (v * scale).astype(v.dtype) if v.dtype.kind == "f" else v
+                    for k, v in item.deltas.items()
+                }
             clipped += 1
             log.warning(
                 "client %s: update norm %.3g clipped to %.3g", item.stable_id, norm, norm * scale

@@ -72,10 +72,11 @@ class Reducer(Protocol):
 
 
 class PlainMean:
-    """float32 running sum in stable-id order (fedcomp.aggregate.weighted_mean)."""
+    """float32 running sum in stable-id order (fedcomp.aggregate.weighted_mean); each
+    update is loaded when it is added, so released ones are decoded one at a time."""
 
     def mean(self, decoded: list[Decoded], state: RoundState) -> dict[str, np.ndarray] | None:
-        return weighted_mean([d.deltas for d in decoded], [d.weight for d in decoded])
+        return weighted_mean([d.load for d in decoded], [d.weight for d in decoded])
 
 
 class TreeMean:

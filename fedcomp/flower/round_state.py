@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,25 @@ class Decoded:
     pending: PendingMirror | None = None
     #: Residual memory: the reply's sync mode.
     sync: int = 0
+    #: Streaming hand-off: the update's L2 norm, measured when it was first decoded,
+    #: then ``deltas`` is released and ``reload`` decodes the payload again when the
+    #: reducer adds it (one dense update alive at a time; docs/trees.md).
+    norm: float | None = None
+    reload: Callable[[], dict[str, np.ndarray]] | None = None
+    #: Norm clipping of a released update, applied when it is loaded.
+    scale: float = 1.0
+
+    def load(self) -> dict[str, np.ndarray]:
+        """The decoded update (clipped), decoding it again when it was released."""
+        if self.reload is None:
+            return self.deltas
+        deltas = self.reload()
+        if self.scale == 1.0:
+            return deltas
+        return {
+            k: (v * self.scale).astype(v.dtype) if v.dtype.kind == "f" else v
+            for k, v in deltas.items()
+        }
 
 
 @dataclass

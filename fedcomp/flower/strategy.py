@@ -81,7 +81,7 @@ from fedcomp.onebit.federated import JointServerState
 from fedcomp.reporting import Reporting
 from fedcomp.rules import check_server_options
 from fedcomp.traffic import Kind, Traffic
-from fedcomp.trees.aggregate import TreeStats
+from fedcomp.trees.aggregate import TreeConfig, TreeStats
 
 log = logging.getLogger(__name__)
 
@@ -213,6 +213,8 @@ class CompressedStrategy(Strategy):
             cv=self.cv,
             stable_of=self.clients.ids.stable_of,
             reject_factor=self.influence.reject_factor,
+            # the plain mean takes updates one at a time: release them between passes
+            stream=self.aggregation.pre_aggregated and self.aggregation.trees == TreeConfig(),
         )
         self.handoff_impl = make_handoff(
             self.aggregation.handoff,
