@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.fedcomp-installed
 export FLWR_TELEMETRY_ENABLED := 0
 export FLWR_HOME := $(CURDIR)/.flwr
 
-.PHONY: run test test-slow deploy-test lint bench bench-dme leaderboard fuzz mutants wheel clean
+.PHONY: run test test-slow deploy-test lint bench bench-scale bench-dme leaderboard fuzz mutants wheel clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -51,6 +51,11 @@ leaderboard: $(STAMP)
 	$(PY) -m experiments.presets leaderboard_digits
 	$(PY) -m experiments.report --leaderboard multirun/leaderboard_digits \
 	    --plot experiments/results/leaderboard_digits.png --out experiments/results/leaderboard_digits.md
+
+## bench-scale: the server with 100 and 1,000 replies of a ResNet-18-sized model (real
+## mod and wrapper, no Ray): aggregation time and peak memory against the replies' size
+bench-scale: $(STAMP)
+	$(PY) -m experiments.bench_scale --out experiments/results/bench_scale.md
 
 ## bench-dme: the one-bit code vs the baselines at equal bits (distributed mean estimation)
 bench-dme: $(STAMP)
