@@ -25,23 +25,21 @@ server's acknowledgement like every memory.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from fedcomp.codecs.base import Codec
-from fedcomp.codecs.memory import Memory
+from fedcomp.codecs.memory import TensorStateMemory
 from fedcomp.codecs.wire import Payload
 
 if TYPE_CHECKING:
-    from fedcomp.codecs.policy import TensorPolicy
+    pass
 
 MOMENTUM_SUFFIX = "/momentum"
 
 
-class DGCMemory(Memory):
+class DGCMemory(TensorStateMemory):
     """Momentum correction, masking, clipping and warm-up around a sparsifier.
 
     Parameters
@@ -55,6 +53,7 @@ class DGCMemory(Memory):
     """
 
     name = "dgc"
+    SUFFIX = MOMENTUM_SUFFIX
 
     def __init__(
         self,
@@ -141,37 +140,19 @@ class DGCMemory(Memory):
         new_u = torch.where(sent != 0, torch.zeros_like(u), u)  # momentum factor masking
         return payload, new_u, new_v, v
 
-    def encode_round(
+    def encode_tensor(
         self,
-        policy: TensorPolicy,
-        deltas: Mapping[str, torch.Tensor],
-        seeds: Mapping[str, int],
-        carried: Mapping[str, np.ndarray],
+        delta: torch.Tensor,
+        state: torch.Tensor | None,
+        extra: torch.Tensor | None,
+        *,
+        seed: int,
         server_round: int,
-    ) -> tuple[dict[str, bytes], dict[str, np.ndarray], dict[str, torch.Tensor]]:
-        """The client half on one reply: payloads, the new state (v under each name, u under
-        ``<name>/momentum``) and what was encoded per tensor (for the error metric)."""
-        payloads: dict[str, bytes] = {}
-        pending: dict[str, np.ndarray] = {}
-        inputs: dict[str, torch.Tensor] = {}
-        for name, delta in deltas.items():
-            codec = policy.codec_for(delta, self.inner)
-            if codec is not self.inner:  # raw tensors carry no state
-                payloads[name] = bytes(codec.encode(delta, seed=seeds[name]))
-                inputs[name] = delta
-                continue
-            shape = tuple(delta.shape)
-            u, v = carried.get(name + MOMENTUM_SUFFIX), carried.get(name)
-            if u is None or v is None or u.shape != shape or v.shape != shape:
-                u = v = None  # a new tensor, or the model changed shape: start afresh
-            payload, new_u, new_v, encoded = self.encode(
-                delta,
-                None if u is None else torch.from_numpy(u),
-                None if v is None else torch.from_numpy(v),
-                seed=seeds[name],
-                server_round=server_round,
-            )
-            payloads[name] = bytes(payload)
-            pending[name], pending[name + MOMENTUM_SUFFIX] = new_v.numpy(), new_u.numpy()
-            inputs[name] = encoded
-        return payloads, pending, inputs
+    ) -> tuple[Payload, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """v is the state, u the extra array (under ``<name>/momentum``)."""
+        if extra is not None and extra.shape != delta.shape:
+            state = extra = None
+        payload, new_u, new_v, encoded = self.encode(
+            delta, extra, state, seed=seed, server_round=server_round
+        )
+        return payload, new_v, new_u, encoded

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -37,11 +36,11 @@ import torch
 
 from fedcomp.codecs.base import Codec, header_for, register
 from fedcomp.codecs.blocks import check_finite, check_range, expect_length
-from fedcomp.codecs.memory import Memory
+from fedcomp.codecs.memory import TensorStateMemory
 from fedcomp.codecs.wire import Payload, PayloadError, check_field
 
 if TYPE_CHECKING:
-    from fedcomp.codecs.policy import TensorPolicy
+    pass
 
 _PARAMS = struct.Struct("<BBHII")
 LOW_RANK, DENSE = 0, 1
@@ -163,10 +162,11 @@ class LowRankCodec(Codec):
         return m.reshape(h.shape).to(h.dtype)
 
 
-class PowerSGDMemory(Memory):
+class PowerSGDMemory(TensorStateMemory):
     """PowerSGD's warm start and error feedback around :class:`LowRankCodec`."""
 
     name = "powersgd"
+    SUFFIX = Q_SUFFIX
 
     def __init__(self, rank: int = 2) -> None:
         self.inner = LowRankCodec(rank)
@@ -193,35 +193,14 @@ class PowerSGDMemory(Memory):
         sent = LowRankCodec.decode_payload(payload).to(torch.float32)
         return payload, m - sent, q_new, m
 
-    def encode_round(
+    def encode_tensor(
         self,
-        policy: TensorPolicy,
-        deltas: Mapping[str, torch.Tensor],
-        seeds: Mapping[str, int],
-        carried: Mapping[str, np.ndarray],
+        delta: torch.Tensor,
+        state: torch.Tensor | None,
+        extra: torch.Tensor | None,
+        *,
+        seed: int,
         server_round: int,
-    ) -> tuple[dict[str, bytes], dict[str, np.ndarray], dict[str, torch.Tensor]]:
-        """The client half on one reply: payloads, the new state (the error under each name,
-        Q under ``<name>/q``) and what was encoded per tensor."""
-        payloads: dict[str, bytes] = {}
-        pending: dict[str, np.ndarray] = {}
-        inputs: dict[str, torch.Tensor] = {}
-        for name, delta in deltas.items():
-            codec = policy.codec_for(delta, self.inner)
-            if codec is not self.inner:
-                payloads[name] = bytes(codec.encode(delta, seed=seeds[name]))
-                inputs[name] = delta
-                continue
-            error, q = carried.get(name), carried.get(name + Q_SUFFIX)
-            if error is not None and error.shape != tuple(delta.shape):
-                error = q = None  # the model changed shape: start afresh
-            payload, new_error, new_q, encoded = self.encode(
-                delta,
-                None if error is None else torch.from_numpy(error),
-                None if q is None else torch.from_numpy(q),
-                seed=seeds[name],
-            )
-            payloads[name] = bytes(payload)
-            pending[name], pending[name + Q_SUFFIX] = new_error.numpy(), new_q.numpy()
-            inputs[name] = encoded
-        return payloads, pending, inputs
+    ) -> tuple[Payload, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The error is the state, Q the extra array (under ``<name>/q``)."""
+        return self.encode(delta, state, extra, seed=seed)

@@ -39,6 +39,60 @@ class Memory:
         return self.inner
 
 
+class TensorStateMemory(Memory):
+    """A memory keeping two arrays per compressed tensor: ``state`` under the tensor's
+    name and ``extra`` under ``<name><SUFFIX>`` (DGC: v and the momentum u; PowerSGD:
+    the error and Q). Subclasses encode one tensor; the loop over a reply is here."""
+
+    SUFFIX: str
+
+    def encode_tensor(
+        self,
+        delta: torch.Tensor,
+        state: torch.Tensor | None,
+        extra: torch.Tensor | None,
+        *,
+        seed: int,
+        server_round: int,
+    ) -> tuple[Payload, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The payload, the new (state, extra), and the vector that was encoded."""
+        raise NotImplementedError
+
+    def encode_round(
+        self,
+        policy: TensorPolicy,
+        deltas: Mapping[str, torch.Tensor],
+        seeds: Mapping[str, int],
+        carried: Mapping[str, np.ndarray],
+        server_round: int,
+    ) -> tuple[dict[str, bytes], dict[str, np.ndarray], dict[str, torch.Tensor]]:
+        """The client half on one reply: payloads, the new state of every compressed
+        tensor (raw ones carry none) and what was encoded per tensor (error metric)."""
+        payloads: dict[str, bytes] = {}
+        pending: dict[str, np.ndarray] = {}
+        inputs: dict[str, torch.Tensor] = {}
+        for name, delta in deltas.items():
+            codec = policy.codec_for(delta, self.inner)
+            if codec is not self.inner:  # raw tensors carry no state
+                payloads[name] = bytes(codec.encode(delta, seed=seeds[name]))
+                inputs[name] = delta
+                continue
+            state, extra = carried.get(name), carried.get(name + self.SUFFIX)
+            if state is None or extra is None or state.shape != tuple(delta.shape):
+                state = extra = None  # a new tensor, or the model changed shape: afresh
+            payload, new_state, new_extra, encoded = self.encode_tensor(
+                delta,
+                None if state is None else torch.from_numpy(state),
+                None if extra is None else torch.from_numpy(extra),
+                seed=seeds[name],
+                server_round=server_round,
+            )
+            payloads[name] = bytes(payload)
+            pending[name], pending[name + self.SUFFIX] = new_state.numpy(), new_extra.numpy()
+            inputs[name] = encoded
+        return payloads, pending, inputs
+
+
 class ErrorFeedback(Memory):
     """Error feedback around any codec: send Q(x + e), keep e' = x + e - decode(Q(x + e)).
 

@@ -20,9 +20,7 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from fedcomp.codecs import Codec, ErrorFeedback, ResidualMemory, TensorPolicy, decode_bytes
-from fedcomp.codecs.dgc import DGCMemory
-from fedcomp.codecs.lowrank import PowerSGDMemory
-from fedcomp.codecs.memory import encode_with_feedback
+from fedcomp.codecs.memory import TensorStateMemory, encode_with_feedback
 from fedcomp.codecs.residual import SYNC_FULL, SYNC_NORMAL
 from fedcomp.controlvariates import choose_sync, covered_tensors, encode_residual, residual_header
 from fedcomp.flower.accounting import wire_bytes
@@ -166,7 +164,7 @@ def encode_update(
     codec, policy, config = instruction.codec, instruction.policy, instruction.config
     seeds = instruction.seeds(deltas)
     ack = int(config.get(KEY_ACK_ROUND, -1))
-    if isinstance(codec, PowerSGDMemory | DGCMemory):  # several arrays per tensor
+    if isinstance(codec, TensorStateMemory):  # two arrays per tensor (DGC, PowerSGD)
         memory = load_memory()
         carried = memory.begin_round(ack, json.dumps(codec.spec()))
         payloads, pending, inputs = codec.encode_round(
