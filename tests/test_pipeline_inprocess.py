@@ -593,7 +593,7 @@ def test_the_policy_threshold_from_the_settings_reaches_the_clients(min_numel, e
         assert record["codec"]["fp32_codec_bytes"] == record["uplink_codec_bytes"]
 
 
-def _live_update_peak(monkeypatch, handoff: str, n: int = 12) -> int:
+def _live_update_peak(monkeypatch, handoff: str, n: int = 12, **trees) -> int:
     """The most decoded updates alive at once while the server takes a round: each
     decode's largest array is watched with a weak reference until it is freed."""
     import weakref
@@ -618,7 +618,7 @@ def _live_update_peak(monkeypatch, handoff: str, n: int = 12) -> int:
             "num_rounds": 1,
             "fraction_evaluate": 0.0,
             "codec": {"name": "uniform", "bits": 4, "block": 64},
-            "aggregation": {"handoff": handoff, "norm_cap": 2.0},
+            "aggregation": {"handoff": handoff, "norm_cap": 2.0, **trees},
             "train": {"local_epochs": 1},
         }
     )
@@ -627,10 +627,19 @@ def _live_update_peak(monkeypatch, handoff: str, n: int = 12) -> int:
     return peak[0]
 
 
-def test_the_pre_aggregated_mean_keeps_at_most_two_decoded_updates_alive(monkeypatch) -> None:
+@pytest.mark.parametrize(
+    "trees",
+    [{}, {"tree": "balanced"}, {"tree": "adaptive", "dtype": "bf16", "root_fp32": True}],
+    ids=["plain", "balanced", "adaptive_bf16"],
+)
+def test_the_pre_aggregated_mean_keeps_at_most_two_decoded_updates_alive(
+    monkeypatch, trees
+) -> None:
     """Streaming: each update is released once its norm is known and decoded again when
-    the mean adds it, so two are alive at most; the per-client hand-off, which must hand
+    the mean or the trees add it (and once more for the moments adaptive trees are
+    chosen from), so two are alive at most; the per-client hand-off, which must hand
     the inner strategy every update, holds all of them (what the test would see if the
     mean kept a list)."""
-    assert _live_update_peak(monkeypatch, "pre_aggregated") <= 2
-    assert _live_update_peak(monkeypatch, "per_client") == 12
+    assert _live_update_peak(monkeypatch, "pre_aggregated", **trees) <= 2
+    if not trees:
+        assert _live_update_peak(monkeypatch, "per_client") == 12

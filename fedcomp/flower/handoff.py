@@ -23,7 +23,8 @@ from fedcomp.flower.round_state import Decoded, RoundState
 from fedcomp.keys import KEY_NUM_EXAMPLES, RECORD_METRICS
 from fedcomp.onebit import OneBitCode
 from fedcomp.onebit.federated import JointServerState
-from fedcomp.trees.aggregate import TreeConfig, TreeStats, tree_mean
+from fedcomp.trees.aggregate import TreeConfig, TreeStats
+from fedcomp.trees.stream import streaming_tree_mean
 
 log = logging.getLogger("fedcomp.flower.strategy")
 
@@ -80,14 +81,15 @@ class PlainMean:
 
 
 class TreeMean:
-    """Variance-aware reduction trees, possibly in bf16/fp16 (fedcomp.trees)."""
+    """Variance-aware reduction trees, possibly in bf16/fp16 (fedcomp.trees), evaluated
+    as the updates are loaded: a bounded number of partial sums alive."""
 
     def __init__(self, config: TreeConfig, stats: TreeStats) -> None:
         self.config, self.stats = config, stats
 
     def mean(self, decoded: list[Decoded], state: RoundState) -> dict[str, np.ndarray] | None:
-        mean, report = tree_mean(
-            [d.deltas for d in decoded],
+        mean, report = streaming_tree_mean(
+            [d.load for d in decoded],
             [d.weight for d in decoded],
             [d.stable_id for d in decoded],
             self.config,

@@ -54,6 +54,7 @@ from fedcomp.codecs import (
 from fedcomp.controlvariates import ControlVariateServer, MirrorStore
 from fedcomp.downlink import DownlinkSpec, parse_downlink
 from fedcomp.flower.accounting import count, record_bytes
+from fedcomp.flower.budget import available_memory, check_round_memory
 from fedcomp.flower.decoding import ReplyDecoder
 from fedcomp.flower.evaluation import first_present, valid_evaluate_replies
 from fedcomp.flower.guards import (
@@ -81,7 +82,7 @@ from fedcomp.onebit.federated import JointServerState
 from fedcomp.reporting import Reporting
 from fedcomp.rules import check_server_options
 from fedcomp.traffic import Kind, Traffic
-from fedcomp.trees.aggregate import TreeConfig, TreeStats
+from fedcomp.trees.aggregate import TreeStats
 
 log = logging.getLogger(__name__)
 
@@ -213,8 +214,9 @@ class CompressedStrategy(Strategy):
             cv=self.cv,
             stable_of=self.clients.ids.stable_of,
             reject_factor=self.influence.reject_factor,
-            # the plain mean takes updates one at a time: release them between passes
-            stream=self.aggregation.pre_aggregated and self.aggregation.trees == TreeConfig(),
+            # the plain mean and the trees take updates one at a time: release them
+            # between passes (the one-bit and residual paths keep theirs: decoding.py)
+            stream=self.aggregation.pre_aggregated,
         )
         self.handoff_impl = make_handoff(
             self.aggregation.handoff,
@@ -372,6 +374,7 @@ class CompressedStrategy(Strategy):
             state.joint = plan_round(
                 self.codec, self.policy, self.joint_state, state.global_arrays, selected
             )
+        self._check_memory(len(selected), state.global_arrays)
         state.sent = self._messages(template, selected, server_round, MessageType.TRAIN)
         for sid, msg in state.sent.items():
             fp32 = self.replicas.carry(msg, sid, model_free=True) if self.replicas else None
@@ -382,6 +385,19 @@ class CompressedStrategy(Strategy):
             )
         state.record.selected = len(selected)
         return list(state.sent.values())
+
+    def _check_memory(self, clients: int, global_arrays: Mapping[str, np.ndarray]) -> None:
+        """Refuse, before any instruction leaves, a round whose dense updates cannot fit
+        (fedcomp.flower.budget): the per-client hand-off holds two copies per client,
+        residual compression one; the streaming paths none."""
+        if not self.aggregation.pre_aggregated:
+            copies, mode = 2, "aggregation.handoff=per_client"
+        elif self.cv is not None:
+            copies, mode = 1, "residual compression"
+        else:
+            return
+        model = sum(np.asarray(v).size * 4 for v in global_arrays.values())
+        check_round_memory(clients, model, copies, mode, available_memory())
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]

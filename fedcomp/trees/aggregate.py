@@ -30,6 +30,8 @@ from fedcomp.trees.structure import Tree
 
 TREES = ("sum", "sequential", "balanced", "blocked", "huffman", "greedy", "adaptive")
 STATS = ("current", "ema")
+#: Trees whose shape depends only on the number of leaves, never on statistics.
+ORDER_ONLY = ("sum", "sequential", "balanced", "blocked")
 
 
 @dataclass(frozen=True)
@@ -121,7 +123,7 @@ def tree_mean(
         raise ValueError(f"weights must be positive and finite, got {list(weights)!r}")
     total = float(sum(weights))
     factors = [w / total for w in weights]
-    refresh = config.stats == "current" or (server_round - 1) % config.refresh_rounds == 0
+    refresh = _refresh(config, server_round)
     chosen_counts = dict.fromkeys(CANDIDATES, 0)
     overflow = 0
     sq_error, coords = 0.0, 0
@@ -164,25 +166,58 @@ def tree_mean(
     return mean, report
 
 
-def _tree_for(
+def leaf_moments(leaf: torch.Tensor) -> tuple[float, float]:
+    """The first and second moment of one client's chunk, in float64.
+
+    One leaf at a time (not a row of a stacked matrix, whose reduction torch may
+    vectorise across rows and round differently), so the list and the streaming
+    evaluation see the same statistics bit for bit."""
+    x = leaf.double()
+    return float(x.mean()), float((x * x).mean())
+
+
+def observe(
+    stats: TreeStats, config: TreeConfig, sid: int, name: str, chunk: int, leaf: torch.Tensor
+) -> None:
+    """Track one client's moments of one chunk (exact, or a moving average)."""
+    decay = config.ema_decay if config.stats == "ema" else 0.0
+    m, q = leaf_moments(leaf)
+    stats.update((sid, name, chunk), m, q, decay)
+
+
+def needs_moments_first(
+    config: TreeConfig, stats: TreeStats, stable_ids: Sequence[int], server_round: int
+) -> bool:
+    """Whether a tree must be chosen from this round's moments before any addition:
+    the trees that depend on statistics, on a refresh round or for a new client set."""
+    if config.tree in ORDER_ONLY:
+        return False
+    if _refresh(config, server_round) or not stats.chosen:
+        return True
+    return any(ids != tuple(stable_ids) for ids, _, _ in stats.chosen.values())
+
+
+def _refresh(config: TreeConfig, server_round: int) -> bool:
+    return config.stats == "current" or (server_round - 1) % config.refresh_rounds == 0
+
+
+def choose_tree(
     name: str,
     chunk: int,
-    leaves: torch.Tensor,
     stable_ids: Sequence[int],
     config: TreeConfig,
     stats: TreeStats,
     refresh: bool,
 ) -> tuple[Tree, str | None]:
-    k = leaves.shape[0]
+    """The tree of one chunk from the tracked moments (which include this round's).
+
+    The tree is chosen again only on refresh rounds or when the set of clients changed.
+    """
+    k = len(stable_ids)
     if config.tree == "sum":
         return sequential_tree(k), None
-    # Moments are tracked every round (exact, or moving averages); the tree is chosen
-    # again only on refresh rounds or when the set of clients changed.
-    decay = config.ema_decay if config.stats == "ema" else 0.0
-    x = leaves.double()
-    means, seconds = x.mean(dim=1), (x * x).mean(dim=1)
-    for i, sid in enumerate(stable_ids):
-        stats.update((sid, name, chunk), float(means[i]), float(seconds[i]), decay)
+    if config.tree in ORDER_ONLY:
+        return _fixed_tree(config.tree, np.zeros(k), np.zeros(k)), config.tree
     key_ids = tuple(stable_ids)
     cached = stats.chosen.get((name, chunk))
     if not refresh and cached is not None and cached[0] == key_ids:
@@ -196,3 +231,18 @@ def _tree_for(
         picked, tree = config.tree, _fixed_tree(config.tree, var, m)
     stats.chosen[(name, chunk)] = (key_ids, picked, tree)
     return tree, picked
+
+
+def _tree_for(
+    name: str,
+    chunk: int,
+    leaves: torch.Tensor,
+    stable_ids: Sequence[int],
+    config: TreeConfig,
+    stats: TreeStats,
+    refresh: bool,
+) -> tuple[Tree, str | None]:
+    if config.tree != "sum":  # moments are tracked every round
+        for i, sid in enumerate(stable_ids):
+            observe(stats, config, sid, name, chunk, leaves[i])
+    return choose_tree(name, chunk, stable_ids, config, stats, refresh)

@@ -21,10 +21,16 @@ Tree = Union[int, tuple["Tree", "Tree"]]  # noqa: UP007  (a recursive alias need
 
 
 def leaves(tree: Tree) -> list[int]:
-    """Leaf indices, left to right."""
-    if isinstance(tree, tuple):
-        return leaves(tree[0]) + leaves(tree[1])
-    return [tree]
+    """Leaf indices, left to right (iteratively: a chain of 1,000 clients is deep)."""
+    out: list[int] = []
+    stack: list[object] = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, tuple):
+            stack += list(reversed(node))
+        else:
+            out.append(node)  # type: ignore[arg-type]
+    return out
 
 
 def validate_tree(tree: Tree, k: int | None = None) -> int:
@@ -32,17 +38,15 @@ def validate_tree(tree: Tree, k: int | None = None) -> int:
 
     Returns k. Raises ``ValueError`` naming the problem.
     """
-
-    def walk(node: object) -> None:
+    stack: list[object] = [tree]
+    while stack:
+        node = stack.pop()
         if isinstance(node, tuple):
             if len(node) != 2:
                 raise ValueError(f"internal nodes must have exactly 2 children, got {node!r}")
-            walk(node[0])
-            walk(node[1])
+            stack += list(node)
         elif isinstance(node, bool) or not isinstance(node, int | np.integer) or node < 0:
             raise ValueError(f"leaves must be non-negative integers, got {node!r}")
-
-    walk(tree)
     found = leaves(tree)
     count = len(found)
     if sorted(found) != list(range(count)):
@@ -52,26 +56,36 @@ def validate_tree(tree: Tree, k: int | None = None) -> int:
     return count
 
 
+def postorder(tree: Tree) -> list[Tree]:
+    """Every node, children before parents, left subtree before right (what a
+    recursive walk visits), without recursion: a chain of 1,000 leaves is deep."""
+    out: list[Tree] = []
+    stack: list[Tree] = [tree]
+    while stack:
+        node = stack.pop()
+        out.append(node)
+        if isinstance(node, tuple):
+            stack += [node[0], node[1]]
+    out.reverse()
+    return out
+
+
 def internal_nodes(tree: Tree) -> int:
     """Number of additions the tree performs (k - 1)."""
-    if isinstance(tree, tuple):
-        return 1 + internal_nodes(tree[0]) + internal_nodes(tree[1])
-    return 0
+    return len(leaves(tree)) - 1
 
 
 def leaf_depths(tree: Tree) -> np.ndarray:
     """Depth of every leaf (root at depth 0), indexed by leaf."""
     k = validate_tree(tree)
     depths = np.zeros(k, dtype=np.int64)
-
-    def walk(node: Tree, depth: int) -> None:
+    stack: list[tuple[Tree, int]] = [(tree, 0)]
+    while stack:
+        node, depth = stack.pop()
         if isinstance(node, tuple):
-            walk(node[0], depth + 1)
-            walk(node[1], depth + 1)
+            stack += [(node[0], depth + 1), (node[1], depth + 1)]
         else:
             depths[node] = depth
-
-    walk(tree, 0)
     return depths
 
 
@@ -79,15 +93,13 @@ def common_ancestor_kernel(tree: Tree) -> np.ndarray:
     """K[i, j] = number of internal nodes that are ancestors of both leaves i and j."""
     k = validate_tree(tree)
     kernel = np.zeros((k, k), dtype=np.int64)
-
-    def walk(node: Tree) -> list[int]:
-        if not isinstance(node, tuple):
-            return [node]
-        below = walk(node[0]) + walk(node[1])
-        kernel[np.ix_(below, below)] += 1
-        return below
-
-    walk(tree)
+    below: dict[int, list[int]] = {}
+    for node in postorder(tree):
+        if isinstance(node, tuple):
+            below[id(node)] = below.pop(id(node[0])) + below.pop(id(node[1]))
+            kernel[np.ix_(below[id(node)], below[id(node)])] += 1
+        else:
+            below[id(node)] = [node]
     return kernel
 
 
@@ -98,16 +110,17 @@ def lambda1(tree: Tree) -> int:
 
 def lambda2(tree: Tree) -> int:
     """Sum over internal nodes of |leaves below|^2 (= sum of all kernel entries)."""
-
-    def walk(node: Tree) -> tuple[int, int]:
-        if not isinstance(node, tuple):
-            return 1, 0
-        (nl, sl), (nr, sr) = walk(node[0]), walk(node[1])
-        n = nl + nr
-        return n, sl + sr + n * n
-
     validate_tree(tree)
-    return walk(tree)[1]
+    size: dict[int, int] = {}
+    total = 0
+    for node in postorder(tree):
+        if isinstance(node, tuple):
+            n = size.pop(id(node[0])) + size.pop(id(node[1]))
+            total += n * n
+        else:
+            n = 1
+        size[id(node)] = n
+    return total
 
 
 def tree_cost(
@@ -193,16 +206,14 @@ def rounding_cost(
     mean = np.asarray(means, dtype=np.float64)
     validate_tree(tree, var.size)
     total = 0.0
-
-    def walk(node: Tree, is_root: bool) -> tuple[float, float]:
-        nonlocal total
+    moments: dict[int, tuple[float, float]] = {}
+    for node in postorder(tree):
         if not isinstance(node, tuple):
-            return float(mean[node]), float(var[node])
-        (ml, vl), (mr, vr) = walk(node[0], False), walk(node[1], False)
+            moments[id(node)] = float(mean[node]), float(var[node])
+            continue
+        (ml, vl), (mr, vr) = moments.pop(id(node[0])), moments.pop(id(node[1]))
         m, v = ml + mr, vl + vr
-        if not (is_root and root_fp32):
+        if not (node is tree and root_fp32):
             total += expected_rounding_variance(m, v, dtype)
-        return m, v
-
-    walk(tree, True)
+        moments[id(node)] = m, v
     return total
