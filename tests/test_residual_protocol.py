@@ -259,3 +259,29 @@ def test_mirrors_on_disk_through_the_settings_change_nothing_but_where_they_live
             assert int(data["__version__"]) == memory.pending_version == 3, sid
         assert set(mirror) == set(memory.pending)
         assert all(np.array_equal(mirror[k], memory.pending[k]) for k in mirror)
+
+
+def test_a_restarted_device_drops_the_reply_the_server_never_acknowledged(tmp_path) -> None:
+    """With a state directory: a client's round-3 reply is lost, then its device
+    restarts (empty Context.state). It reads its memory back from the file, whose
+    last update was never acknowledged, and drops that update on round 4's
+    instruction: no restart from zero, no resync, and its control variate equals the
+    server's mirror (what applying the lost update would break)."""
+    settings = _settings(client_state_dir=str(tmp_path))
+    current = {"round": 0}
+    grid = InProcessGrid(make_client_app(), N, tamper=_drop({3: {1}}, current))
+    strategy = _strategy(settings)
+    _tracking(strategy, current)
+    arrays = run_rounds(strategy, grid, _initial(settings), range(1, 4))
+    assert current["dropped"] == 1 and strategy.rounds[2]["replied"] == N - 1
+    (node,) = [n for n in grid.contexts if grid.partition_of(n) == 1]
+    on_disk = sorted(p.name for p in tmp_path.iterdir())
+    assert len(on_disk) == N  # every client's memory, written after each reply
+    pending = load_memory(grid.contexts[node].state)
+    assert pending.pending_round == 3  # the lost reply's update, not acknowledged
+    grid.restart_node(node, 515_151)
+    run_rounds(strategy, grid, arrays, range(4, 5))
+    fourth = strategy.rounds[3]
+    assert (fourth["replied"], fourth["failures"], fourth["resyncs"]) == (N, 0, 0)
+    assert fourth["codec"]["restarts"] == 0 and fourth["codec"]["resync_requests"] == 0
+    assert _assert_mirrors_match(strategy, grid) == N
