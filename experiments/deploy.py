@@ -81,10 +81,13 @@ def deploy(cfg: DictConfig, run_dir: Path, *, verbose: bool = False) -> dict[str
     results = launch(settings, deployment, run_dir, state=state)
     t = state.timings
     log.info(
-        "SuperLink ready in %.1f s, run %.1f s, %.1f s from the first start to the last stop",
+        "SuperLink ready in %.1f s, run %.1f s, %.1f s from the first start to the last stop; "
+        "%d SuperNode(s); the launcher's own peak memory %.0f MB",
         t["superlink_ready_s"],
         t["run_s"],
         t["total_s"],
+        len(state.components) - 1,
+        state.peak_rss_mb,
     )
     for record in results["rounds"]:
         log.info(log_line(record, settings.num_rounds))

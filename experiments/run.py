@@ -23,6 +23,37 @@ from fedcomp.settings import Settings, settings_from_dict, validate
 
 log = logging.getLogger("experiments.run")
 
+#: Hydra launchers that live in an extra: launcher name prefix -> (plugin module, extra).
+LAUNCHER_EXTRAS = {"submitit_": ("hydra_plugins.hydra_submitit_launcher", "slurm")}
+#: Launchers that are not supported, and why (docs/sweeps.md).
+UNSUPPORTED_LAUNCHERS = {
+    "ray": "hydra-ray-launcher 1.2.2 pins cloudpickle<3, which conflicts with the pinned "
+    "dependencies, and runs each job as a Ray task inside which Flower's own Ray use "
+    "breaks; sweep on a Ray cluster with simulation.ray_address instead, or on Slurm "
+    "with hydra/launcher=submitit_slurm",
+}
+
+
+def check_launcher(argv: list[str]) -> str | None:
+    """What is wrong with the ``hydra/launcher=...`` on the command line (None: fine):
+    a launcher whose extra is not installed names the extra to install."""
+    import importlib.util
+
+    for arg in argv:
+        if not arg.startswith(("hydra/launcher=", "+hydra/launcher=")):
+            continue
+        name = arg.split("=", 1)[1]
+        if name in UNSUPPORTED_LAUNCHERS:
+            return f"hydra/launcher={name} is not supported: {UNSUPPORTED_LAUNCHERS[name]}"
+        for prefix, (module, extra) in LAUNCHER_EXTRAS.items():
+            if name.startswith(prefix) and importlib.util.find_spec(module) is None:
+                return (
+                    f"hydra/launcher={name} needs the launcher plugin from the '{extra}' "
+                    f"extra: .venv/bin/pip install -c constraints.txt -e '.[{extra}]'"
+                )
+    return None
+
+
 CONF_DIR = str(PROJECT_ROOT / "conf")
 
 ConfigStore.instance().store(name="base_settings", node=Settings)
@@ -60,4 +91,10 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    import sys
+
+    problem = check_launcher(sys.argv[1:])
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        raise SystemExit(2)
     main()

@@ -5,13 +5,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import socket
 from typing import Any
 
 from experiments.runtime import ray_temp_dir
 from fedcomp.codecs import make_codec_from_spec
 from fedcomp.data import check_data_settings
 from fedcomp.models import check_model
-from fedcomp.settings import Settings, validate
+from fedcomp.settings import Settings, SimulationSettings, ray_host_port, validate
 
 
 def check_devices(settings: Settings) -> None:
@@ -25,6 +26,52 @@ def check_devices(settings: Settings) -> None:
             f"invalid setting {key}={value!r}: torch sees no CUDA device on this machine "
             "(set simulation.gpus_per_client=0 and train.device=auto)"
         )
+
+
+def check_ray_cluster(sim: SimulationSettings, timeout: float = 5.0) -> int:
+    """The cluster at ``simulation.ray_address`` answers and can host at least one
+    client: returns how many clients it runs in parallel (Flower's count, per node).
+
+    Raises ``ValueError`` naming the address when nothing answers there (ray.init
+    would retry for minutes) or when no node has the CPUs and GPUs one client asks
+    for (Flower would warn and wait forever).
+    """
+    host_port = ray_host_port(sim.ray_address)
+    assert host_port is not None  # checked with the settings
+    try:
+        socket.create_connection(host_port, timeout=timeout).close()
+    except OSError as exc:
+        raise ValueError(
+            f"invalid setting simulation.ray_address={sim.ray_address!r}: nothing answers "
+            f"there ({exc}); start the head with `ray start --head --port=PORT` and use "
+            "its address, or leave simulation.ray_address empty for a private local Ray"
+        ) from None
+    import ray
+
+    ray.init(address=sim.ray_address, logging_level=logging.ERROR, log_to_driver=False)
+    try:
+        nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive") and n["Resources"]]
+        resources = {"num_cpus": sim.cpus_per_client, "num_gpus": sim.gpus_per_client}
+        fits = sum(_clients_on(node, resources) for node in nodes)
+    finally:
+        ray.shutdown()  # a driver disconnects; the cluster keeps running
+    if fits == 0:
+        offered = ", ".join(f"CPU={n.get('CPU', 0)} GPU={n.get('GPU', 0)}" for n in nodes)
+        raise ValueError(
+            f"invalid setting simulation.ray_address={sim.ray_address!r}: no node of that "
+            f"cluster has the {sim.cpus_per_client} CPUs and {sim.gpus_per_client} GPUs "
+            f"one client asks for (simulation.cpus_per_client, simulation.gpus_per_client); "
+            f"its nodes offer: {offered or 'nothing'}"
+        )
+    return fits
+
+
+def _clients_on(node: dict[str, float], resources: dict[str, float]) -> int:
+    """Clients one Ray node hosts at once (Flower's pool_size_from_resources, per node)."""
+    fits = int(node.get("CPU", 0) / resources["num_cpus"])
+    if resources["num_gpus"] > 0:
+        fits = min(fits, int(node.get("GPU", 0) / resources["num_gpus"]))
+    return fits
 
 
 def absolute_paths(settings: Settings) -> Settings:
@@ -43,15 +90,20 @@ def backend_config(settings: Settings, *, verbose: bool = False) -> dict[str, An
     actors' own output is forwarded to the driver only when ``verbose``.
     """
     sim = settings.simulation
+    quiet = {"logging_level": logging.ERROR, "log_to_driver": verbose}
+    resources = {"num_cpus": sim.cpus_per_client, "num_gpus": sim.gpus_per_client}
+    if sim.ray_address:
+        # ray.init refuses num_cpus/num_gpus (and a temp dir) with an address: the
+        # cluster's own resources count, and its nodes keep their own directories.
+        return {"client_resources": resources, "init_args": {"address": sim.ray_address, **quiet}}
     return {
-        "client_resources": {"num_cpus": sim.cpus_per_client, "num_gpus": sim.gpus_per_client},
+        "client_resources": resources,
         "init_args": {
             "num_cpus": sim.num_cpus,
             "num_gpus": 0 if sim.gpus_per_client == 0 else None,
             "_temp_dir": ray_temp_dir(),
             "include_dashboard": False,
-            "logging_level": logging.ERROR,
-            "log_to_driver": verbose,
+            **quiet,
         },
     }
 
@@ -62,7 +114,10 @@ def preflight(settings: Settings) -> None:
     validate(settings)
     check_model(settings.model, settings.dataset.name)
     check_data_settings(settings)
-    check_devices(settings)
+    if settings.simulation.ray_address:
+        check_ray_cluster(settings.simulation)
+    else:
+        check_devices(settings)
     make_codec_from_spec(settings.codec)
     from strategies.inner import make_inner_strategy
 
@@ -80,7 +135,7 @@ def simulate(settings: Settings, *, verbose: bool = False) -> dict[str, Any]:
 
     holder: dict[str, Any] = {}
     config = backend_config(settings, verbose=verbose)
-    if config["init_args"]["num_gpus"] is None:
+    if config["init_args"].get("num_gpus", 0) is None:
         del config["init_args"]["num_gpus"]
     run_simulation(
         server_app=make_server_app(settings, on_results=holder.update),

@@ -227,9 +227,19 @@ class SimulationSettings:
     gpus_per_client: float = 0.0
     #: Seconds the server waits for replies in one round.
     round_timeout: float = 600.0
+    #: An existing Ray cluster's head (``host:port`` of its GCS, what ``ray start
+    #: --head`` prints); empty: start a private local Ray. With an address the CPUs and
+    #: GPUs are the cluster's (``num_cpus`` is not used).
+    ray_address: str = ""
 
     def check(self) -> None:
         """Raise naming ``simulation.<key>`` when a value is out of range."""
+        if self.ray_address and ray_host_port(self.ray_address) is None:
+            _fail(
+                "simulation.ray_address",
+                self.ray_address,
+                "must be host:port of a Ray cluster's head (e.g. 10.0.0.5:6379), or empty",
+            )
         if self.num_cpus <= 0:
             _fail("simulation.num_cpus", self.num_cpus, "must be a positive integer")
         if self.cpus_per_client <= 0:
@@ -238,6 +248,14 @@ class SimulationSettings:
             _fail("simulation.gpus_per_client", self.gpus_per_client, "must be >= 0")
         if self.round_timeout <= 0:
             _fail("simulation.round_timeout", self.round_timeout, "must be > 0")
+
+
+def ray_host_port(address: str) -> tuple[str, int] | None:
+    """``(host, port)`` of a ``host:port`` address (None when it is not one)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    return host.strip("[]"), int(port)
 
 
 @dataclass

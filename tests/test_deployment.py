@@ -42,6 +42,7 @@ from experiments.deployment.settings import (
     node_specs,
     validate_deployment,
 )
+from experiments.deployment.tap import read_log, summarise
 from experiments.inprocess import InProcessGrid
 from experiments.run import settings_from_cfg
 from experiments.runtime import PROJECT_ROOT
@@ -65,7 +66,7 @@ JOB = {
         "initial": "seeded",
     },
     "train": {"local_epochs": 1},
-    "fraction_evaluate": 0.0,
+    "fraction_evaluate": 1.0,
 }
 JOB_OVERRIDES = [
     "num_clients=2",
@@ -73,7 +74,7 @@ JOB_OVERRIDES = [
     "codec=topk",
     "downlink=uniform4",
     "train.local_epochs=1",
-    "fraction_evaluate=0.0",
+    "fraction_evaluate=1.0",
 ]
 
 
@@ -426,7 +427,7 @@ def test_loopback_job_matches_the_in_process_path_byte_for_byte(tmp_path: Path) 
     run_dir = tmp_path / "run"
     t0 = time.monotonic()
     out = subprocess.run(
-        _deploy_cmd(run_dir, *JOB_OVERRIDES),
+        _deploy_cmd(run_dir, *JOB_OVERRIDES, "deployment.supernodes.transport_log=true"),
         cwd=PROJECT_ROOT,
         capture_output=True,
         text=True,
@@ -439,6 +440,9 @@ def test_loopback_job_matches_the_in_process_path_byte_for_byte(tmp_path: Path) 
     assert len(started) == 3, log  # a SuperLink and 2 SuperNodes
     assert wait_gone(set(started.values()), timeout=1.0) == {}
     assert all(not Path(f"/proc/{pid}").exists() or _zombie(pid) for pid in started)
+    unpacked = Path(re.search(r"removed the run's unpacked app (\S+)", log).group(1))
+    assert unpacked.parent == Path(os.environ["FLWR_HOME"]).resolve() / "apps"
+    assert not unpacked.exists()
     connection = re.search(r"connection '(fedcomp-local-\d+)'", log).group(1)
     flwr_config = Path(os.environ["FLWR_HOME"]) / "config.toml"
     assert connection not in tomllib.loads(flwr_config.read_text()).get("superlink", {})
@@ -470,7 +474,49 @@ def test_loopback_job_matches_the_in_process_path_byte_for_byte(tmp_path: Path) 
             assert d_row["uplink_codec_bytes"] == r_row["uplink_codec_bytes"]
             assert 0 < d_row["uplink_wire_bytes"] - r_row["uplink_wire_bytes"] < 160
             assert 0 < d_row["downlink_wire_bytes"] - r_row["downlink_wire_bytes"] < 80
+    _check_against_the_transport(deployed, run_dir / "deploy")
     print(f"\nloopback deployment, 2 SuperNodes x 2 rounds: {elapsed:.1f} s end to end")
+
+
+def _check_against_the_transport(results: dict, deploy_dir: Path) -> None:
+    """What fedcomp counted equals what crossed the network, kind by kind: every
+    message the SuperNodes pulled or pushed over the Fleet API (their own log of each
+    HTTP call, experiments/deployment/tap.py) against results.json's traffic."""
+    crossed: dict[int, dict[str, list[int]]] = {}
+    overhead = 0
+    for log in sorted(deploy_dir.glob("transport-*.jsonl")):
+        summary = summarise(read_log(log))
+        overhead += summary["other_body_bytes"]
+        for m in summary["messages"].values():
+            assert m["skipped"] == []  # the SuperLink asked for every object
+            reply = m["direction"] == "up"
+            first_contact = not m["group"].isdigit()
+            kind = "identity" if first_contact else m["type"]
+            name = f"{kind}_{'reply' if reply else 'instruction'}"
+            name = {"identity_instruction": "identity_query"}.get(name, name)
+            row = crossed.setdefault(int(m["group"]) if not first_contact else 1, {})
+            counts = row.setdefault(name, [0, 0, 0])
+            counts[0] += 1
+            counts[1] += m["object_bytes"]
+            counts[2] += int(m["body_bytes"])
+    assert len(list(deploy_dir.glob("transport-*.jsonl"))) == 2
+    kinds = set()
+    for record in results["rounds"]:
+        counted = {k: [v["messages"], v["wire_bytes"]] for k, v in record["traffic"].items()}
+        seen = {k: v[:2] for k, v in crossed[record["round"]].items()}
+        assert counted == seen, (record["round"], counted, seen)
+        for _, objects, body in crossed[record["round"]].values():
+            assert body > objects  # the HTTP bodies add ids and framing to the objects
+        kinds |= set(seen)
+    assert kinds == {
+        "identity_query",
+        "identity_reply",
+        "train_instruction",
+        "train_reply",
+        "evaluate_instruction",
+        "evaluate_reply",
+    }
+    assert overhead > 0  # heartbeats and polls: real traffic that moves no message
 
 
 def _zombie(pid: int) -> bool:
@@ -616,3 +662,106 @@ def test_tls_and_supernode_authentication_on_loopback(tmp_path: Path) -> None:
     ):
         launch(settings, d, tmp_path / "refused", state=state)
     assert_all_stopped(state)
+
+
+SCALE_OVERRIDES = [
+    "num_clients=20",
+    "num_rounds=2",
+    "codec=uniform2",
+    "train.local_epochs=1",
+    "fraction_evaluate=0.5",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.deployment
+def test_twenty_supernodes_on_loopback_run_and_leave_nothing_behind(tmp_path: Path) -> None:
+    """The launcher at scale: a SuperLink and 20 SuperNodes (20 Python processes with
+    torch) on this machine, 2 rounds. Prints each round's time and the launcher's own
+    peak memory (the launcher only watches: its memory must not grow with the nodes)."""
+    run_dir = tmp_path / "run"
+    out = subprocess.run(
+        _deploy_cmd(run_dir, *SCALE_OVERRIDES),
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log[-3000:]
+    started = _started(log)
+    assert len(started) == 21
+    assert wait_gone(set(started.values()), timeout=5.0) == {}
+    assert all(not Path(f"/proc/{pid}").exists() or _zombie(pid) for pid in started)
+    results = load_results(run_dir / "results.json")
+    assert [(r["selected"], r["replied"]) for r in results["rounds"]] == [(20, 20)] * 2
+    assert all(r["traffic"]["evaluate_instruction"]["messages"] == 10 for r in results["rounds"])
+    rss = float(re.search(r"launcher's own peak memory (\d+) MB", log).group(1))
+    assert re.search(r"20 SuperNode\(s\)", log)
+    rounds = ", ".join(f"{r['round_s']:.1f} s" for r in results["rounds"])
+    print(f"\n20 SuperNodes x 2 rounds: rounds {rounds}; launcher peak {rss:.0f} MB")
+
+
+@pytest.mark.slow
+@pytest.mark.deployment
+def test_ctrl_c_with_twenty_supernodes_stops_every_process(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        _deploy_cmd(tmp_path / "run", *SCALE_OVERRIDES),
+        cwd=PROJECT_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if re.search(r"run \d+ started", line):
+                proc.send_signal(signal.SIGINT)
+                break
+        rest, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log = "".join(lines) + rest
+    assert proc.returncode == 130, log[-3000:]
+    started = _started(log)
+    assert len(started) == 21
+    assert wait_gone(set(started.values()), timeout=5.0) == {}
+    assert all(not Path(f"/proc/{pid}").exists() or _zombie(pid) for pid in started)
+
+
+def test_a_component_that_ignores_sigterm_is_killed_after_the_stop_timeout(tmp_path) -> None:
+    """The launcher's stop: SIGTERM to every component and its descendants, then
+    SIGKILL to what is still alive after ``deployment.stop_timeout``: a process that
+    ignores SIGTERM (and a child it started) ends by SIGKILL, the one that obeys by
+    SIGTERM."""
+    from experiments.deployment.processes import descendants, start_component, stop_components
+
+    stubborn = (
+        "import signal, subprocess, sys, time;"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN);"
+        "subprocess.Popen([sys.executable, '-c', "
+        "'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)']);"
+        "print('ready', flush=True); time.sleep(120)"
+    )
+    obeying = "import time; print('ready', flush=True); time.sleep(120)"
+    env = child_env({})
+    comps = [
+        start_component(name, [sys.executable, "-c", code], tmp_path / f"{name}.log", 0, env)
+        for name, code in (("stubborn", stubborn), ("obeying", obeying))
+    ]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not all(
+        "ready" in (tmp_path / f"{c.name}.log").read_text() for c in comps
+    ):
+        time.sleep(0.1)
+    child = descendants([comps[0].proc.pid]) - {comps[0].proc.pid}
+    assert len(child) == 1
+    assert stop_components(comps, grace_s=1.0) == []
+    assert comps[0].proc.returncode == -signal.SIGKILL
+    assert comps[1].proc.returncode == -signal.SIGTERM
+    (pid,) = child
+    assert not Path(f"/proc/{pid}").exists() or _zombie(pid)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import ssl
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -68,6 +69,13 @@ def supernode_argv(d: DeploymentSettings, spec: NodeSpec, address: str, port: in
         node_config_arg(spec.node_config),
         *d.supernodes.extra_args,
     ]
+
+
+def tap_argv(argv: list[str], log_path: Path) -> list[str]:
+    """The same SuperNode started through the transport tap (experiments/deployment/tap.py),
+    which logs every Fleet API call to ``log_path``."""
+    tap = Path(__file__).with_name("tap.py")
+    return [sys.executable, str(tap), str(log_path), *argv[1:]]
 
 
 def _abs(path: str) -> str:

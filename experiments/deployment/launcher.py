@@ -31,6 +31,7 @@ from experiments.deployment.argv import (
     superlink_address,
     superlink_argv,
     supernode_argv,
+    tap_argv,
     wait_ready,
 )
 from experiments.deployment.flwr_cli import FlwrCli, remove_connection, stage_app, write_connection
@@ -81,6 +82,15 @@ class Launch:
     status: str = ""
     survivors: list[int] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
+    #: The launcher's own peak resident memory (its children not included).
+    peak_rss_mb: float = 0.0
+
+
+def own_peak_rss_mb() -> float:
+    """This process's peak resident set size in MB (Linux reports kilobytes)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def follow_run(
@@ -225,8 +235,12 @@ def launch(
                 st.survivors = stop_components(st.components, deployment.stop_timeout)
                 remove_connection(flwr_home, st.connection)
                 if st.fab:  # each run's FAB differs (its results_path): do not pile up
-                    shutil.rmtree(flwr_home / "apps" / st.fab, ignore_errors=True)
+                    unpacked = flwr_home / "apps" / st.fab
+                    if unpacked.exists():
+                        shutil.rmtree(unpacked, ignore_errors=True)
+                        log.info("removed the run's unpacked app %s", unpacked)
                 st.timings["total_s"] = time.monotonic() - t0
+                st.peak_rss_mb = own_peak_rss_mb()
             if st.survivors:
                 log.error("processes still alive after SIGKILL: %s", st.survivors)
 
@@ -236,9 +250,12 @@ def start_supernode(
 ) -> Component:
     """Start one SuperNode on a free (or its pinned) port, with its own environment."""
     port = spec.port or free_port(d.supernodes.host)
+    argv = supernode_argv(d, spec, address, port)
+    if d.supernodes.transport_log:
+        argv = tap_argv(argv, deploy_dir / f"transport-{spec.partition_id}.jsonl")
     return start_component(
         _node_name(spec),
-        supernode_argv(d, spec, address, port),
+        argv,
         deploy_dir / f"supernode-{spec.partition_id}.log",
         port,
         {**env, **spec.env},

@@ -59,6 +59,10 @@ class SuperNodeSettings:
     #: Extra node-config keys for every node (partition-id/num-partitions are set).
     node_config: dict[str, Any] = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)
+    #: Each SuperNode writes every Fleet API call it makes (sizes of the HTTP bodies,
+    #: the messages and objects they carried) to deploy/transport-<i>.jsonl
+    #: (experiments/deployment/tap.py): the bytes that crossed, message by message.
+    transport_log: bool = False
 
 
 @dataclass

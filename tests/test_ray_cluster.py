@@ -1,0 +1,118 @@
+"""``simulation.ray_address``: a simulation joins an existing Ray cluster.
+
+The test starts a two-node cluster on this machine (ray.cluster_utils.Cluster: a head
+and a second node, one CPU each, so one client runs on each), runs a short simulation
+through it, reads from the cluster's own tables on which node every client task ran,
+and stops what it started."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from experiments.runtime import ray_temp_dir
+from experiments.simulate import backend_config, check_ray_cluster, simulate
+from fedcomp.settings import settings_from_dict
+
+pytestmark = pytest.mark.simulation
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    import ray
+    from ray.cluster_utils import Cluster
+
+    ray.shutdown()
+    head = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 1,
+            "include_dashboard": False,
+            "temp_dir": ray_temp_dir(),
+        },
+    )
+    head.add_node(num_cpus=1)
+    head.wait_for_nodes()
+    yield head
+    ray.shutdown()
+    head.shutdown()
+
+
+def _where_client_tasks_ran(address: str) -> dict[str, int]:
+    """Ray node id -> how many ClientAppActor.run tasks ran there (the cluster's task
+    events, matched to the actors' placement in its actor table)."""
+    import ray
+
+    ray.init(address=address, log_to_driver=False)
+    try:
+        actors = ray._private.state.actors()  # the GCS tables: no dashboard needed
+        node_of_actor = {
+            actor_id: a["Address"]["NodeID"]
+            for actor_id, a in actors.items()
+            if a["ActorClassName"].endswith("ClientAppActor")
+        }
+        counts: dict[str, int] = {}
+        for event in ray.timeline():
+            if event.get("cat") != "task::ClientAppActor.run":
+                continue
+            # An actor task's id ends with its actor's id.
+            task_id = event["args"]["task_id"]
+            node = next((n for a, n in node_of_actor.items() if task_id.endswith(a)), None)
+            assert node is not None, task_id
+            counts[node] = counts.get(node, 0) + 1
+        return counts
+    finally:
+        ray.shutdown()
+
+
+def test_a_simulation_runs_its_clients_on_both_nodes_of_a_cluster(cluster) -> None:
+    settings = settings_from_dict(
+        {
+            "num_clients": 4,
+            "num_rounds": 1,
+            "fraction_evaluate": 0.0,
+            "seed": 5,
+            "simulation": {"ray_address": cluster.address, "num_cpus": 99},
+        }
+    )
+    config = backend_config(settings)
+    assert config["init_args"]["address"] == cluster.address
+    assert "num_cpus" not in config["init_args"]  # the cluster's CPUs count
+    assert check_ray_cluster(settings.simulation) == 2
+    results = simulate(settings)
+    (record,) = results["rounds"]
+    assert (record["selected"], record["replied"], record["failures"]) == (4, 4, 0)
+    ran = _where_client_tasks_ran(cluster.address)
+    nodes = {n.node_id for n in cluster.list_all_nodes()}
+    assert set(ran) == nodes, (ran, nodes)
+    # identity replies + train replies: every client message was served somewhere
+    assert sum(ran.values()) >= 4
+
+
+def test_a_cluster_without_the_resources_a_client_needs_is_refused(cluster) -> None:
+    settings = settings_from_dict(
+        {"simulation": {"ray_address": cluster.address, "cpus_per_client": 2.0}}
+    )
+    with pytest.raises(ValueError, match=r"cpus_per_client.*CPU=1\.0 GPU=0, CPU=1\.0 GPU=0") as err:
+        simulate(settings)
+    assert cluster.address in str(err.value)
+
+
+def test_an_unreachable_address_fails_before_anything_starts() -> None:
+    address = f"127.0.0.1:{_free_port()}"
+    settings = settings_from_dict({"simulation": {"ray_address": address}})
+    with pytest.raises(ValueError, match=rf"simulation\.ray_address='{address}': nothing answers"):
+        simulate(settings)
+
+
+@pytest.mark.parametrize("address", ["localhost", ":6379", "host:0", "host:99999", "h:p"])
+def test_an_address_that_is_not_host_port_names_the_key(address) -> None:
+    with pytest.raises(ValueError, match=r"simulation\.ray_address.*host:port"):
+        settings_from_dict({"simulation": {"ray_address": address}}).simulation.check()
