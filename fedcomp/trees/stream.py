@@ -42,6 +42,9 @@ from fedcomp.trees.reduce import DTYPES
 from fedcomp.trees.structure import Tree, validate_tree
 
 Load = Callable[[], Mapping[str, np.ndarray]]
+#: The chunk index of a whole tensor evaluated at once (trees that are the same for
+#: every chunk: the additions are elementwise, so the result is the chunks' bit for bit).
+WHOLE = -1
 #: Candidate evaluation orders scored per round (besides the stable-id order).
 MAX_CANDIDATE_ORDERS = 4
 
@@ -153,10 +156,10 @@ class ChunkSum:
         self.peak = 0
         self.result: torch.Tensor | None = None
 
-    def add(self, leaf: int, value: torch.Tensor) -> None:
-        """Add one client's chunk (float32); it is cast to the working dtype here."""
+    def add(self, leaf: int, value: torch.Tensor, cast: torch.Tensor | None = None) -> None:
+        """Add one client's chunk (float32), given or cast here to the working dtype."""
         flat = self.flat
-        val = value.to(self.dtype)
+        val = value.to(self.dtype) if cast is None else cast
         owned = val.data_ptr() != value.data_ptr()
         node = flat.leaf_node[leaf]
         while node != flat.root and flat.sibling[node] in self.done:
@@ -350,35 +353,62 @@ class _StreamRun:
 
     def _add(self, i: int, update: Mapping[str, np.ndarray]) -> None:
         assert self.layout is not None
+        whole = self.config.tree in ORDER_ONLY  # one tree for every chunk
         for name, (_, dtype) in self.layout.shapes.items():
             value = update[name]
             if dtype.kind != "f":
                 self.ints.setdefault(name, [None] * len(self.ids))[i] = np.array(value)
                 continue
             term = _term(value, self.factors[i])
-            ref = self.reference.setdefault(name, torch.zeros(term.numel(), dtype=torch.float64))
+            cast = term.to(self.work)
+            if name not in self.reference:  # (not setdefault: that would allocate each time)
+                self.reference[name] = torch.zeros(term.numel(), dtype=torch.float64)
+            ref = self.reference[name]
+            ref.add_(cast)  # promoted to float64 element by element: no double copy
+            if whole:  # elementwise the same additions as chunk by chunk, in one pass
+                chunks = len(_chunks(term.numel(), self.config.chunk_size))
+                self._chunk(name, WHOLE, chunks).add(i, term, cast)
+                continue
             for c, (lo, hi) in enumerate(_chunks(term.numel(), self.config.chunk_size)):
-                leaf = term[lo:hi]
-                if not self.observed and self.config.tree != "sum":
-                    observe(self.stats, self.config, self.ids[i], name, c, leaf)
-                self._chunk(name, c).add(i, leaf)
-                ref[lo:hi] += leaf.to(self.work).double()
+                if not self.observed:
+                    observe(self.stats, self.config, self.ids[i], name, c, term[lo:hi])
+                self._chunk(name, c).add(i, term[lo:hi], cast[lo:hi])
 
-    def _chunk(self, name: str, c: int) -> ChunkSum:
+    def _chunk(self, name: str, c: int, chunks: int = 1) -> ChunkSum:
+        """The evaluation state of chunk ``c`` (``WHOLE``: all ``chunks`` of the tensor)."""
         key = (name, c)
         if key not in self.sums:
             if key not in self.trees:  # order-only trees, or trees from the cache
                 tree, picked = choose_tree(name, c, self.ids, self.config, self.stats, self.refresh)
                 if picked is not None:
-                    self.chosen[picked] += 1
+                    self.chosen[picked] += chunks
                 self.trees[key] = tree
             self.sums[key] = ChunkSum(flatten(self.trees[key]), self.work, self.root, self.meter)
         return self.sums[key]
 
-    def _redo_in_float32(self) -> None:
+    def _results(self) -> dict[tuple[str, int], torch.Tensor]:
+        """Each chunk's sum (views into a whole tensor's)."""
+        out = {}
+        for (name, c), chunk in self.sums.items():
+            assert chunk.result is not None
+            if c != WHOLE:
+                out[(name, c)] = chunk.result
+                continue
+            for cc, (lo, hi) in enumerate(_chunks(chunk.result.numel(), self.config.chunk_size)):
+                out[(name, cc)] = chunk.result[lo:hi]
+        return out
+
+    def _redo_in_float32(self, results: dict[tuple[str, int], torch.Tensor]) -> None:
         """Chunks whose low-precision sum overflowed, summed again in float32 (one more
         pass over the updates, for those chunks only)."""
-        redo = {k: ChunkSum(flatten(self.trees[k]), torch.float32, None) for k in self.overflow}
+        redo = {
+            (name, c): ChunkSum(
+                flatten(self.trees.get((name, c), self.trees.get((name, WHOLE)))),
+                torch.float32,
+                None,
+            )
+            for name, c in self.overflow
+        }
         for i in self.order:
             update = self.loads[i]()
             terms = {name: _term(update[name], self.factors[i]) for name, _ in redo}
@@ -387,18 +417,17 @@ class _StreamRun:
                 chunk.add(i, terms[name][lo:hi])
             del update, terms
         for key, chunk in redo.items():
-            self.sums[key].result = chunk.result
+            assert chunk.result is not None
+            results[key] = chunk.result
 
     # ---------------------------------------------------------------- results
 
     def finish(self) -> dict[str, np.ndarray]:
         assert self.layout is not None
-        for key, chunk in self.sums.items():
-            assert chunk.result is not None
-            if not torch.isfinite(chunk.result.float()).all():
-                self.overflow.append(key)  # e.g. fp16 beyond 65504
-        if self.overflow:
-            self._redo_in_float32()
+        results = self._results()
+        self.overflow = [k for k, r in results.items() if not torch.isfinite(r.float()).all()]
+        if self.overflow:  # e.g. fp16 beyond 65504
+            self._redo_in_float32(results)
         mean: dict[str, np.ndarray] = {}
         self.sq_error, self.coords = 0.0, 0
         for name, (shape, dtype) in self.layout.shapes.items():
@@ -411,12 +440,10 @@ class _StreamRun:
                 continue
             out = torch.empty(int(np.prod(shape)), dtype=torch.float32)
             for c, (lo, hi) in enumerate(_chunks(out.numel(), self.config.chunk_size)):
-                total = self.sums[(name, c)].result
-                assert total is not None
-                out[lo:hi] = total.float()
-                diff = out[lo:hi].double() - self.reference[name][lo:hi]
-                self.sq_error += float((diff**2).sum())
-                self.coords += hi - lo
+                out[lo:hi] = results[(name, c)].float()
+            diff = out.double() - self.reference[name]
+            self.sq_error += float((diff**2).sum())
+            self.coords += out.numel()
             mean[name] = out.reshape(shape).numpy()
         return mean
 
