@@ -122,3 +122,19 @@ def test_factory_rejects_unknown_names_and_params() -> None:
         make_codec_from_spec({"bits": 4})
     with pytest.raises(ValueError, match="floating-point"):
         make_codec("fp32").encode(torch.arange(3), seed=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_all_finite_agrees_with_isfinite_for_every_kind_of_non_finite(dtype) -> None:
+    """The one-reduction check (min and max) against the elementwise definition: a
+    NaN, +Inf or -Inf anywhere (first, middle, last element) is found."""
+    from fedcomp.codecs.blocks import all_finite
+
+    gen = torch.Generator().manual_seed(4)
+    base = torch.randn(1001, generator=gen).to(dtype)
+    assert all_finite(base) and all_finite(base[:0]) and all_finite(torch.arange(5))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for where in (0, 500, 1000):
+            x = base.clone()
+            x[where] = bad
+            assert all_finite(x) == bool(torch.isfinite(x).all()) is False

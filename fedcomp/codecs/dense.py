@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from fedcomp.codecs.base import Codec, header_for, register
+from fedcomp.codecs.blocks import all_finite
 from fedcomp.codecs.wire import Payload, PayloadError
 
 
@@ -92,7 +93,7 @@ class _CastCodec(Codec):
             raise ValueError(f"{self.name} codec needs a floating-point tensor, got {x.dtype}")
         cast = x.detach().to(self.wire_dtype)
         # the input is only scanned when the cast is not finite (the rare case)
-        if x.numel() and not torch.isfinite(cast).all() and torch.isfinite(x).all():
+        if not all_finite(cast) and all_finite(x):
             limit = torch.finfo(self.wire_dtype).max
             raise ValueError(f"{self.name}: values beyond +-{limit:g} overflow the format")
         return Payload(header_for(self.codec_id, x), tensor_to_bytes(cast))
