@@ -412,3 +412,35 @@ def test_sign_sends_each_blocks_mean_magnitude(block: int) -> None:
         scale = np.float32(np.abs(part).sum(dtype=np.float32) / np.float32(part.size))
         want = np.where(np.signbit(part), -scale, scale)
         np.testing.assert_allclose(y[start : start + block], want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bits", [1, 4])
+def test_subtractive_dither_error_is_uniform_on_one_step_whatever_the_input(bits) -> None:
+    """docs/codecs.md: dither's error is uniform on one step, independent of x. Each
+    coordinate's error divided by its block's step (2 max|x| / (2^b - 1)) lies in
+    [-1/2, 1/2] (up to the dither's 2^-16 resolution: it is k / 2^16) and is uniform
+    there (Kolmogorov-Smirnov against U(-1/2, 1/2)), for an
+    input sitting on the grid and one halfway between grid points, where stochastic
+    rounding's error would be two-valued."""
+    from scipy import stats
+
+    codec = make_codec("dither", bits=bits, block=64)
+    levels = 2**bits - 1
+    grid = torch.arange(64, dtype=torch.float64) % (levels + 1) * 2 / levels - 1
+    for shift in (0.0, 0.5):  # on the grid; halfway (max|x| stays 1 per block)
+        x = (grid + shift * 2 / levels).clamp(-1, 1).repeat(400).float()
+        x[::64] = 1.0  # every block's scale is exactly 1
+        step = 2.0 / levels
+        err = np.concatenate(
+            [
+                (codec.decode(codec.encode(x, seed=s)).double() - x.double()).numpy()
+                for s in range(5)
+            ]
+        )
+        u = err / step
+        assert np.abs(u).max() <= 0.5 + 2.0**-16
+        assert stats.kstest(u, stats.uniform(loc=-0.5, scale=1.0).cdf).pvalue > 1e-3
+    # The same test rejects stochastic rounding's error at the halfway input.
+    rounding = make_codec("uniform", bits=bits, block=64)
+    err = (rounding.decode(rounding.encode(x, seed=1)).double() - x.double()).numpy()
+    assert stats.kstest(err / step, stats.uniform(loc=-0.5, scale=1.0).cdf).pvalue < 1e-6
