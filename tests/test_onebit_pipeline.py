@@ -197,7 +197,10 @@ def test_missing_and_corrupt_replies_use_the_ratio_estimator():
         assert np.all(np.abs(got - expected[name]) <= tol + 1e-12), name
 
 
-def test_state_moves_on_and_training_still_learns():
+def test_the_joint_state_moves_on_and_checkpoints():
+    """After two rounds tau comes from the clients' scale codes, not the prior, and the
+    state survives a checkpoint round trip. (Whether the code learns depends on the
+    clients per round: refused below rules.JOINT_MIN_CLIENTS, see the next tests.)"""
     _, strategy, _, _, _, _ = _run(num_rounds=2)
     state = strategy.joint_state
     assert state.taus and state.centers
