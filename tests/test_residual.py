@@ -28,6 +28,23 @@ def _residual(**params) -> ResidualMemory:
     return memory
 
 
+def _rounding_variance(r: np.ndarray, *, bits: int, block: int) -> float:
+    """E||Q(r) - r||^2 of stochastic uniform rounding, from its definition: per block a
+    grid of step 2 max|r| / (2^b - 1) from -max|r|, a coordinate at fractional
+    position f on it has variance step^2 f (1 - f)."""
+    total = 0.0
+    for i in range(0, r.size, block):
+        part = r[i : i + block].astype(np.float64)
+        scale = np.abs(part).max()
+        if scale == 0:
+            continue
+        step = 2 * scale / (2**bits - 1)
+        t = (part + scale) / step
+        f = t - np.floor(t)
+        total += float(np.sum(step**2 * f * (1 - f)))
+    return total
+
+
 @pytest.mark.parametrize(
     ("params", "needle"),
     [
@@ -104,7 +121,7 @@ def test_quadratic_federated_problem_noise_follows_the_residual() -> None:
     x = np.zeros(d, dtype=np.float32)
     hs: list[np.ndarray | None] = [None] * clients
     versions = [0] * clients
-    ratios, residual_share = [], []
+    measured, expected, bounds, residual_share = [], [], [], []
     for t in range(rounds):
         updates = []
         for m in range(clients):
@@ -122,16 +139,22 @@ def test_quadratic_federated_problem_noise_follows_the_residual() -> None:
                     checksum=state_checksum({"w": hs[m]}),
                     sync=SYNC_NORMAL,
                 )["w"]
-                ratios.append(
-                    float(((r_hat - r) ** 2).sum()) / memory.noise_bound(float((r**2).sum()), d)
-                )
+                measured.append(float(((r_hat - r) ** 2).sum()))
+                expected.append(_rounding_variance(r, bits=2, block=64))
+                bounds.append(memory.noise_bound(float((r**2).sum()), d))
                 residual_share.append(float((r**2).sum()) / float((delta**2).sum()))
                 hs[m] = apply_residual(hs[m], r_hat, memory.alpha_for(d))
                 versions[m] += 1
                 ghat = {"w": ghat}
             updates.append(ghat["w"] if isinstance(ghat, dict) else ghat)
         x = x + np.mean(updates, axis=0)
-    assert np.mean(ratios) <= 1.0  # measured noise within the bound, on average
+    # The residual's compression noise is the inner codec's variance ON THE RESIDUAL
+    # (stochastic rounding: step^2 f (1 - f) per coordinate), within a Monte Carlo
+    # tolerance from the spread of the per-encode ratios; the worst-case bound
+    # omega ||r||^2 holds too, with room to spare.
+    ratio = np.array(measured) / np.array(expected)
+    assert abs(ratio.mean() - 1.0) <= 4 * ratio.std() / np.sqrt(ratio.size), ratio.mean()
+    assert np.sum(measured) <= np.sum(bounds)
     # h tracks delta: the residual the codec sees is a small share of the update.
     assert np.mean(residual_share[-clients * 5 :]) < 0.25 * np.mean(residual_share[:clients])
     for m in range(clients):  # mirrors equal the clients' control variates, bit for bit

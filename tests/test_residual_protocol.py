@@ -121,9 +121,14 @@ def test_mirrors_equal_client_state_under_drops_and_partial_participation() -> N
     assert sum(r["replied"] for r in strategy.rounds) == selected - current["dropped"]
     assert all(r["codec"]["resync_requests"] == 0 for r in strategy.rounds)
     assert _assert_mirrors_match(strategy, grid) == N  # 8 rounds x 2 of 4: all sampled
+    # The round records report the residual's noise against the worst-case bound
+    # omega ||r||^2, both measured by the clients: over the later rounds the noise is
+    # within the bound (the exact expected variance is checked in test_residual.py,
+    # from the codec's definition rather than from the records).
     later = [r for r in strategy.rounds[4:] if r["codec"]["residual_over_delta"] is not None]
-    assert later and all(
-        r["codec"]["noise_norm2_mean"] <= 2 * r["codec"]["noise_bound_mean"] for r in later
+    assert later
+    assert sum(r["codec"]["noise_norm2_mean"] for r in later) <= sum(
+        r["codec"]["noise_bound_mean"] for r in later
     )
 
 
