@@ -50,18 +50,28 @@ def select_topk(flat: torch.Tensor, k: int, seed: int, sampled: bool = True) -> 
     n = flat.numel()
     if k == 0:
         return torch.zeros(0, dtype=torch.int64)
-    magnitude = flat.abs()
     if sampled and n > 4 * SAMPLE and 8 * k < n:
         gen = torch.Generator().manual_seed(seed % (1 << 63))
-        sample = magnitude[torch.randint(n, (SAMPLE,), generator=gen)]
+        sample = flat[torch.randint(n, (SAMPLE,), generator=gen)].abs()
         for spread in (2.0, 8.0):
             q = max(0.0, 1.0 - spread * k / n)
             threshold = torch.quantile(sample, q).item()
-            candidates = torch.nonzero(magnitude >= threshold).reshape(-1)
+            candidates = _at_least(flat, threshold)
             if candidates.numel() >= k:
-                top = torch.topk(magnitude[candidates], k, sorted=False).indices
+                top = torch.topk(flat[candidates].abs(), k, sorted=False).indices
                 return candidates[top].sort().values
-    return torch.topk(magnitude, k, sorted=False).indices.sort().values
+    return torch.topk(flat.abs(), k, sorted=False).indices.sort().values
+
+
+def _at_least(flat: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Indices (ascending) of the coordinates with |x| >= threshold, a cache-sized
+    piece at a time: no tensor-sized |x| or mask is ever allocated."""
+    step = 1 << 20
+    found = [
+        torch.nonzero(flat[start : start + step].abs() >= threshold).reshape(-1) + start
+        for start in range(0, flat.numel(), step)
+    ]
+    return torch.cat(found)
 
 
 def _index_candidates(idx: np.ndarray, n: int) -> dict[int, bytes]:
