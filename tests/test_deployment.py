@@ -527,9 +527,10 @@ def _zombie(pid: int) -> bool:
 
 
 @pytest.mark.deployment
-def test_ctrl_c_stops_every_process_and_exits_130(tmp_path: Path) -> None:
+def _interrupted_once_running(run_dir: Path, overrides: list[str], timeout: float):
+    """Start the launcher, send SIGINT once its run started; (exit code, its output)."""
     proc = subprocess.Popen(
-        _deploy_cmd(tmp_path / "run", *JOB_OVERRIDES),
+        _deploy_cmd(run_dir, *overrides),
         cwd=PROJECT_ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -543,13 +544,17 @@ def test_ctrl_c_stops_every_process_and_exits_130(tmp_path: Path) -> None:
             if re.search(r"run \d+ started", line):
                 proc.send_signal(signal.SIGINT)
                 break
-        rest, _ = proc.communicate(timeout=120)
+        rest, _ = proc.communicate(timeout=timeout)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    log = "".join(lines) + rest
-    assert proc.returncode == 130, log[-3000:]
+    return proc.returncode, "".join(lines) + rest
+
+
+def test_ctrl_c_stops_every_process_and_exits_130(tmp_path: Path) -> None:
+    code, log = _interrupted_once_running(tmp_path / "run", JOB_OVERRIDES, timeout=120)
+    assert code == 130, log[-3000:]
     assert "interrupted" in log
     started = _started(log)
     assert len(started) == 3
@@ -705,28 +710,8 @@ def test_twenty_supernodes_on_loopback_run_and_leave_nothing_behind(tmp_path: Pa
 @pytest.mark.slow
 @pytest.mark.deployment
 def test_ctrl_c_with_twenty_supernodes_stops_every_process(tmp_path: Path) -> None:
-    proc = subprocess.Popen(
-        _deploy_cmd(tmp_path / "run", *SCALE_OVERRIDES),
-        cwd=PROJECT_ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    lines = []
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if re.search(r"run \d+ started", line):
-                proc.send_signal(signal.SIGINT)
-                break
-        rest, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    log = "".join(lines) + rest
-    assert proc.returncode == 130, log[-3000:]
+    code, log = _interrupted_once_running(tmp_path / "run", SCALE_OVERRIDES, timeout=300)
+    assert code == 130, log[-3000:]
     started = _started(log)
     assert len(started) == 21
     assert wait_gone(set(started.values()), timeout=5.0) == {}

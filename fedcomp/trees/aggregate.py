@@ -117,12 +117,7 @@ def tree_mean(
     Returns the mean per tensor (float32 for float tensors) and a report: how often each
     candidate was chosen, and how many chunks overflowed and were redone in float32.
     """
-    if not updates or len(updates) != len(weights) or len(weights) != len(stable_ids):
-        raise ValueError("tree_mean needs one weight and one stable id per update (k >= 1)")
-    if any(not np.isfinite(w) or w <= 0 for w in weights):
-        raise ValueError(f"weights must be positive and finite, got {list(weights)!r}")
-    total = float(sum(weights))
-    factors = [w / total for w in weights]
+    factors = leaf_factors(updates, weights, stable_ids)
     refresh = _refresh(config, server_round)
     chosen_counts = dict.fromkeys(CANDIDATES, 0)
     overflow = 0
@@ -164,6 +159,19 @@ def tree_mean(
         "mse_vs_fp64": sq_error / coords if coords else 0.0,
     }
     return mean, report
+
+
+def leaf_factors(
+    updates: Sequence[object], weights: Sequence[float], stable_ids: Sequence[int]
+) -> list[float]:
+    """Each leaf's factor w_i / W, after checking one weight and one stable id per update
+    (k >= 1) and weights positive and finite."""
+    if not updates or len(updates) != len(weights) or len(weights) != len(stable_ids):
+        raise ValueError("tree_mean needs one weight and one stable id per update (k >= 1)")
+    if any(not np.isfinite(w) or w <= 0 for w in weights):
+        raise ValueError(f"weights must be positive and finite, got {list(weights)!r}")
+    total = float(sum(weights))
+    return [w / total for w in weights]
 
 
 def leaf_moments(leaf: torch.Tensor) -> tuple[float, float]:

@@ -34,6 +34,7 @@ from fedcomp.trees.aggregate import (
     TreeStats,
     _refresh,
     choose_tree,
+    leaf_factors,
     needs_moments_first,
     observe,
 )
@@ -272,12 +273,7 @@ def streaming_tree_mean(
     update: 1, 2 when trees need this round's moments first, +1 if a low-precision
     chunk overflowed and is redone in float32).
     """
-    if not loads or len(loads) != len(weights) or len(weights) != len(stable_ids):
-        raise ValueError("tree_mean needs one weight and one stable id per update (k >= 1)")
-    if any(not np.isfinite(w) or w <= 0 for w in weights):
-        raise ValueError(f"weights must be positive and finite, got {list(weights)!r}")
-    total = float(sum(weights))
-    factors = [w / total for w in weights]
+    factors = leaf_factors(loads, weights, stable_ids)
     k = len(loads)
     run = _StreamRun(loads, factors, stable_ids, config, stats, server_round)
     passes = 1
