@@ -108,13 +108,15 @@ def backend_config(settings: Settings, *, verbose: bool = False) -> dict[str, An
     }
 
 
-def preflight(settings: Settings) -> None:
+def preflight(settings: Settings, *, ray: bool = True) -> None:
     """Every check that can fail, run before Ray starts: values, data sizes, codec and
-    strategy specs (each raises ValueError naming the key and the value)."""
+    strategy specs (each raises ValueError naming the key and the value). With
+    ``simulation.ray_address`` the cluster is checked instead of this machine's GPUs;
+    ``ray=False`` (the Deployment Engine, which uses no Ray) checks this machine."""
     validate(settings)
     check_model(settings.model, settings.dataset.name)
     check_data_settings(settings)
-    if settings.simulation.ray_address:
+    if ray and settings.simulation.ray_address:
         check_ray_cluster(settings.simulation)
     else:
         check_devices(settings)

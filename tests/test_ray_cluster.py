@@ -116,3 +116,15 @@ def test_an_unreachable_address_fails_before_anything_starts() -> None:
 def test_an_address_that_is_not_host_port_names_the_key(address) -> None:
     with pytest.raises(ValueError, match=r"simulation\.ray_address.*host:port"):
         settings_from_dict({"simulation": {"ray_address": address}}).simulation.check()
+
+
+def test_the_deployment_engine_never_contacts_a_ray_address(monkeypatch) -> None:
+    """A run config that still names a Ray cluster deploys without Ray: the launcher's
+    preflight checks this machine, and only a simulation contacts the cluster."""
+    from experiments import simulate as sim
+
+    address = f"127.0.0.1:{_free_port()}"
+    settings = settings_from_dict({"simulation": {"ray_address": address}})
+    sim.preflight(settings, ray=False)  # no error: the address is never dialled
+    with pytest.raises(ValueError, match="nothing answers"):
+        sim.preflight(settings)

@@ -171,7 +171,7 @@ def launch(
 
     settings = absolute_paths(validate(replace(settings, results_path=str(results_path))))
     validate_deployment(deployment, settings.num_clients)
-    preflight(settings)  # data sizes, codec and strategy specs, devices
+    preflight(settings, ray=False)  # data sizes, codec and strategy specs, devices
     needs_gpus = deployment.supernodes.gpus != 0
     specs = node_specs(deployment, settings.num_clients, available_gpus() if needs_gpus else [])
     st = state or Launch(run_dir)
