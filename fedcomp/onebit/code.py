@@ -43,6 +43,7 @@ from fedcomp.codecs.wire import (
 )
 from fedcomp.onebit.bits import encode_bits
 from fedcomp.onebit.decode import JointDecode, Received, decode_joint
+from fedcomp.onebit.decode_runs import decode_runs
 from fedcomp.onebit.queries import CENTERS, REFINES, QuerySet, build_query_set, make_geometry
 
 #: Wire codec id of the one-bit code (reserved beside the per-client codec registry).
@@ -378,16 +379,17 @@ class OneBitCode:
             client_indices=np.asarray(client_indices, dtype=np.int64),
             weights=weights_arr,
         )
-        result = decode_joint(
-            received,
-            qs,
-            numel=numel,
-            seed=seed,
-            start=start,
-            localize_center=self.center == "inband",
-            min_resultant=self.min_resultant,
-            groups=self.groups,
-        )
+        common = {
+            "numel": numel,
+            "seed": seed,
+            "start": start,
+            "localize_center": self.center == "inband",
+            "min_resultant": self.min_resultant,
+        }
+        if self.groups == 1 or len(packed) == 1:
+            result = decode_runs(received, qs, **common)
+        else:
+            result = decode_joint(received, qs, groups=self.groups, **common)
         if not np.all(np.isfinite(result.mean)):
             raise ValueError("onebit: the decoded mean is not finite (check the weights)")
         mean = torch.from_numpy(result.mean * tau_k).to(torch.float32).reshape(shape)

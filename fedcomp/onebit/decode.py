@@ -123,10 +123,9 @@ def safe_phases(center: np.ndarray, qs: QuerySet) -> np.ndarray:
     for j in range(num + 1):
         lj = qs.geometry.scale(j)
         r0 = np.mod(center, lj)
-        d0 = np.minimum(r0, lj - r0)
-        r1 = np.mod(center - lj / 2, lj)
-        d1 = np.minimum(r1, lj - r1)
-        phases[j] = d1 > d0
+        # Phase 1's boundaries are L_j / 2 from phase 0's: it is the safer one exactly
+        # when c is within L_j / 4 of a phase-0 boundary.
+        phases[j] = np.minimum(r0, lj - r0) < lj / 4
     return phases
 
 
@@ -171,6 +170,10 @@ def localize(
         active &= (n0 > 0) & (n1 > 0) & (resultant >= min_resultant)
         if not active.any():
             break
+        if active.all():  # the common case: no masked copies
+            y = period * np.mod(np.arctan2(sin_part, cos_part) / (2 * np.pi), 1.0)
+            center = y + period * np.round((center - y) / period)
+            continue
         angle = np.arctan2(sin_part[active], cos_part[active]) / (2 * np.pi)
         y = period * np.mod(angle, 1.0)
         c = center[active]

@@ -1,0 +1,137 @@
+"""The run-sum decoder: run boundaries, prefix sums, and the estimate it gives.
+
+The one-bit decoder sums each query's answers from prefix sums over cyclic runs of
+clients instead of visiting every answer (fedcomp/onebit/ranges.py). These tests hold
+it to the per-answer decoder (fedcomp/onebit/decode.py), which still serves median of
+means.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from fedcomp.onebit import OneBitCode
+from fedcomp.onebit import code as onebit_code
+from fedcomp.onebit.decode import decode_joint
+from fedcomp.onebit.public import SlotLookup, client_slots, coordinate_draws
+from fedcomp.onebit.queries import build_query_set, make_geometry
+from fedcomp.onebit.ranges import ClientPrefix, run_starts, weight_runs
+
+
+@pytest.mark.parametrize("n,b,lam", [(3, 1, 1e4), (7, 2, 100.0), (50, 1, 100.0), (16, 4, 1e3)])
+def test_run_boundaries_agree_with_the_slot_lookup_on_every_slot(n, b, lam):
+    qs = build_query_set(make_geometry(lam), num_clients=n, bits=b)
+    lookup = SlotLookup(qs.cuts)
+    # Few clients and a wide range put several cuts in one slot: the searched case.
+    count = 20_000
+    offsets, _ = coordinate_draws(5, 0, count, n)
+    starts = run_starts(lookup, offsets)
+    slots = np.arange(n * b)[:, None]
+    q = lookup(np.broadcast_to(slots, (n * b, count)), offsets[None, :])
+    inside = (starts[q, np.arange(count)] <= slots) & (slots < starts[q + 1, np.arange(count)])
+    assert inside.all()
+    assert np.all(np.diff(starts, axis=0) >= 0) and starts[0].max() == 0
+    assert np.all(starts[-1] == n * b)
+    if n == 3:
+        assert lookup.deep.any()  # the case is exercised
+
+
+@pytest.mark.parametrize("b", [1, 3])
+def test_prefix_runs_equal_the_sum_over_each_runs_clients(b):
+    n, count = 11, 500
+    rng = np.random.default_rng(b)
+    qs = build_query_set(make_geometry(100.0), num_clients=n, bits=b)
+    offsets, shifts = coordinate_draws(9, 0, count, n)
+    starts = run_starts(SlotLookup(qs.cuts), offsets)
+    rows = np.array([0, 2, 3, 7, 10])  # the others did not reply
+    values = rng.uniform(size=(b, rows.size, count))
+    weights = rng.uniform(1, 2, rows.size)
+    got = ClientPrefix(values, rows, n, np.float64).runs(starts, shifts)
+    twice = np.zeros(2 * n + 1)
+    twice[rows + 1] = weights
+    twice[rows + 1 + n] = weights
+    got_w = weight_runs(np.cumsum(twice), starts, shifts, b)
+    # Brute force: walk every slot to its client and plane.
+    dense = np.zeros((b, n, count))
+    dense[:, rows] = values
+    w_dense = np.zeros(n)
+    w_dense[rows] = weights
+    slots = client_slots(np.arange(n).reshape(-1, 1), shifts, n, b)  # (n, count, b)
+    lookup = SlotLookup(qs.cuts)
+    q = lookup(slots, offsets[:, None])
+    want = np.zeros((qs.num_queries, count))
+    want_w = np.zeros((qs.num_queries, count))
+    for i in range(n):
+        for j in range(b):
+            np.add.at(want, (q[i, :, j], np.arange(count)), dense[j, i])
+            np.add.at(want_w, (q[i, :, j], np.arange(count)), w_dense[i])
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(got_w, want_w, rtol=1e-12, atol=1e-12)
+
+
+def _both(code, x, *, n, indices, weights=None, side=None, seed=3):
+    payloads = [
+        bytes(
+            code.encode(torch.from_numpy(x[r]), client_index=i, num_clients=n, seed=seed, tau=1.0)
+        )
+        for r, i in enumerate(indices)
+    ]
+
+    def decode():
+        return code.decode(
+            payloads,
+            client_indices=list(indices),
+            num_clients=n,
+            seed=seed,
+            tau=1.0,
+            shape=(x.shape[1],),
+            weights=weights,
+            side_center=side,
+        )
+
+    fast = decode()
+    with pytest.MonkeyPatch.context() as patch:  # the per-answer decoder, one group
+        patch.setattr(onebit_code, "decode_runs", decode_joint)
+        reference = decode()
+    return [reference, fast]
+
+
+@pytest.mark.parametrize(
+    "n,b,center,refine,missing",
+    [
+        (40, 1, "inband", "deterministic", 0),
+        (40, 2, "inband", "deterministic", 9),
+        (25, 4, "previous", "deterministic", 0),
+        (30, 1, "zero", "stochastic", 5),
+        (60, 1, "inband", "stochastic", 0),
+    ],
+)
+def test_run_sums_give_the_per_answer_decoders_estimate_bit_for_bit(n, b, center, refine, missing):
+    rng = np.random.default_rng(n + b)
+    d = 3000
+    x = (40 + 3 * rng.standard_t(3, (n, d))).astype(np.float32)
+    indices = sorted(rng.choice(n, n - missing, replace=False))
+    code = OneBitCode(bits=b, lam=100.0, center=center, refine=refine)
+    side = np.full(d, 38.0) if center == "previous" else None
+    (old, r_old), (new, r_new) = _both(code, x[indices], n=n, indices=indices, side=side)
+    # Unit weights: every sum is an integer count until the same final products.
+    assert torch.equal(old, new)
+    np.testing.assert_array_equal(r_old.center, r_new.center)
+    assert r_old.stopped_early == r_new.stopped_early
+
+
+def test_run_sums_with_client_weights_agree_to_rounding():
+    n, d = 45, 2000
+    rng = np.random.default_rng(1)
+    x = (rng.standard_t(3, (n, d)) - 20).astype(np.float32)
+    indices = list(range(0, n, 1))[:40]
+    weights = list(rng.uniform(0.5, 4, 40))
+    weights[3] = 0.0  # a weightless reply still votes for the center
+    code = OneBitCode(bits=1, lam=100.0)
+    (old, r_old), (new, r_new) = _both(code, x[:40], n=n, indices=indices, weights=weights)
+    np.testing.assert_array_equal(r_old.center, r_new.center)
+    # Different summation orders of the same float64 terms: the estimates agree to
+    # a few ulps of the terms (|terms| <= L_J / pi_q * w), far below one tau.
+    np.testing.assert_allclose(new.numpy(), old.numpy(), rtol=0, atol=1e-5)
