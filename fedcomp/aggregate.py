@@ -41,24 +41,43 @@ def weighted_mean(
         raise ValueError(f"{len(updates)} updates but {len(weights)} weights")
     if any(not np.isfinite(w) or w <= 0 for w in weights):
         raise ValueError(f"weights must be positive and finite, got {list(weights)!r}")
-    total = float(sum(weights))
-    mean: dict[str, torch.Tensor] = {}
-    dtypes: dict[str, np.dtype] = {}
+    mean = RunningMean(float(sum(weights)))
     for given, weight in zip(updates, weights, strict=True):
-        update = given() if callable(given) else given
-        factor = weight / total
+        mean.add(given() if callable(given) else given, weight)
+    return mean.result()
+
+
+class RunningMean:
+    """The running sum of :func:`weighted_mean`, one update at a time, with the total
+    weight ``W`` known in advance: ``add`` each update in order, then ``result``.
+
+    The same operations in the same order as ``weighted_mean``, so the two agree to
+    the last bit; the wrapper uses it to sum updates while it first decodes them.
+    """
+
+    def __init__(self, total: float) -> None:
+        self.total = total
+        self.sums: dict[str, torch.Tensor] = {}
+        self.dtypes: dict[str, np.dtype] = {}
+
+    def add(self, update: Mapping[str, np.ndarray], weight: float) -> None:
+        """``acc += (weight / W) * update``, per tensor, in one fused pass."""
+        factor = weight / self.total
         for name, value in update.items():
-            dtypes.setdefault(name, value.dtype)
+            self.dtypes.setdefault(name, value.dtype)
             x = torch.from_numpy(value if value.flags.c_contiguous else value.copy())
             if value.dtype.kind != "f":
                 x = x.to(torch.float64)
-            if name in mean:
-                mean[name].add_(x, alpha=factor)
+            if name in self.sums:
+                self.sums[name].add_(x, alpha=factor)
             else:
-                mean[name] = x * factor
-    return {
-        name: value.numpy()
-        if dtypes[name].kind == "f"
-        else np.rint(value.numpy()).astype(dtypes[name])
-        for name, value in mean.items()
-    }
+                self.sums[name] = x * factor
+
+    def result(self) -> dict[str, np.ndarray]:
+        """The mean per tensor; integer tensors rounded back to their dtype."""
+        return {
+            name: value.numpy()
+            if self.dtypes[name].kind == "f"
+            else np.rint(value.numpy()).astype(self.dtypes[name])
+            for name, value in self.sums.items()
+        }

@@ -130,6 +130,9 @@ class RoundCounts:
     diagnostics: dict[str, float] | None = None
     tree: dict[str, Any] | None = None
     joint: dict[str, Any] | None = None
+    #: Streaming plain mean: how many times each reply was decoded (1: the sum taken
+    #: during the first decode was used; 2: it was discarded and summed again).
+    decode_passes: int | None = None
     #: Downlink replica: the version, step bytes, ||x_hat - x_t|| / ||x_t||.
     downlink: dict[str, Any] | None = None
     #: Central accuracy of x_hat, the model the clients hold (when it differs from x_t).
@@ -237,11 +240,13 @@ def build_results(
         return sum(int(r["codec"].get(key, 0)) for r in rounds)
 
     evaluated = [r["accuracy"] for r in rounds if r["accuracy"] is not None]
-    total_wire, fp32_total = round_sum(rounds, "total_wire_bytes"), round_sum(
-        rounds, "fp32_total_wire_bytes"
+    total_wire, fp32_total = (
+        round_sum(rounds, "total_wire_bytes"),
+        round_sum(rounds, "fp32_total_wire_bytes"),
     )
-    train_wire, fp32_train = round_sum(rounds, "train_wire_bytes"), round_sum(
-        rounds, "fp32_train_wire_bytes"
+    train_wire, fp32_train = (
+        round_sum(rounds, "train_wire_bytes"),
+        round_sum(rounds, "fp32_train_wire_bytes"),
     )
     summary = {
         "final_accuracy": evaluated[-1] if evaluated else None,

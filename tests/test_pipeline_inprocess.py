@@ -643,3 +643,67 @@ def test_the_pre_aggregated_mean_keeps_at_most_two_decoded_updates_alive(
     assert _live_update_peak(monkeypatch, "pre_aggregated", **trees) <= 2
     if not trees:
         assert _live_update_peak(monkeypatch, "per_client") == 12
+
+
+def _plain_mean_round(monkeypatch, *, second_pass=False, order=None, **aggregation):
+    """One streaming plain-mean round: its record, the mean update and the number of
+    payload decodes. ``second_pass``: refuse the sum taken during the first decode."""
+    from fedcomp.flower import decoding, handoff, round_state
+
+    n, decodes, means = 8, [0], []
+    original = decoding.decode_payloads
+
+    def counted(*args, **kwargs):
+        decodes[0] += 1
+        return original(*args, **kwargs)
+
+    real_mean = handoff.PlainMean.mean
+
+    def kept(self, decoded, state):
+        means.append(real_mean(self, decoded, state))
+        return means[-1]
+
+    monkeypatch.setattr(decoding, "decode_payloads", counted)
+    monkeypatch.setattr(handoff.PlainMean, "mean", kept)
+    if second_pass:
+        monkeypatch.setattr(round_state.Presum, "matches", lambda self, decoded: False)
+    settings = settings_from_dict(
+        {
+            "num_clients": n,
+            "num_rounds": 1,
+            "fraction_evaluate": 0.0,
+            "codec": {"name": "uniform", "bits": 4, "block": 64},
+            "aggregation": {"handoff": "pre_aggregated", **aggregation},
+            "train": {"local_epochs": 1},
+        }
+    )
+    grid = InProcessGrid(make_client_app(), n, node_ids=[10_000 + i for i in range(n)], order=order)
+    (record,) = run_server(grid, settings)["rounds"]
+    monkeypatch.undo()
+    return record, means[0], decodes[0]
+
+
+def test_the_streaming_mean_decodes_each_reply_once_and_equals_the_second_pass(
+    monkeypatch,
+) -> None:
+    """The plain mean is summed while the replies are first decoded; with every reply
+    accepted unchanged that sum is used: each payload decoded once, and the mean the
+    same to the last bit as the second pass would give, whatever the reply order."""
+    record, mean, decodes = _plain_mean_round(monkeypatch)
+    assert record["replied"] == 8 and decodes == 8
+    assert record["codec"]["decode_passes"] == 1
+    record2, mean2, decodes2 = _plain_mean_round(monkeypatch, second_pass=True)
+    assert decodes2 == 16 and record2["codec"]["decode_passes"] == 2
+    _, mean3, _ = _plain_mean_round(monkeypatch, order=lambda replies: replies[::-1])
+    assert mean.keys() == mean2.keys() == mean3.keys()
+    for name in mean:
+        assert np.array_equal(mean[name], mean2[name]), name
+        assert np.array_equal(mean[name], mean3[name]), name
+
+
+def test_a_clipped_update_makes_the_streaming_mean_sum_again(monkeypatch) -> None:
+    """Clipping changes an update after its first decode: the early sum is not the
+    mean of what was accepted, so it is discarded and the replies decoded again."""
+    record, _, decodes = _plain_mean_round(monkeypatch, norm_cap=1.0)
+    assert record["clipped"] > 0
+    assert record["codec"]["decode_passes"] == 2 and decodes == 16

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from flwr.app import ConfigRecord, Message
 
+from fedcomp.aggregate import RunningMean
 from fedcomp.codecs import Codec, Memory, TensorPolicy, make_codec_from_spec
 from fedcomp.codecs.residual import SYNC_FULL, SYNC_RESTART
 from fedcomp.controlvariates import ControlVariateServer
@@ -23,7 +24,7 @@ from fedcomp.flower.accounting import count, record_bytes
 from fedcomp.flower.guards import norm_of
 from fedcomp.flower.joint import split_reply
 from fedcomp.flower.records import account_reply, empty_client_row
-from fedcomp.flower.round_state import Decoded, RoundState
+from fedcomp.flower.round_state import Decoded, Presum, RoundState
 from fedcomp.flower.validation import ReplyError, check_reply, compressed_names, decode_payloads
 from fedcomp.influence import outliers, update_norm
 from fedcomp.keys import (
@@ -70,11 +71,14 @@ class ReplyDecoder:
         stable_of: Callable[[int], int | None],
         reject_factor: float,
         stream: bool = False,
+        presum: bool = False,
     ) -> None:
         self.codec = codec
         #: Release each decoded update once its norm is known and decode it again when
         #: the reducer adds it (stateless codecs, plain mean): bounded server memory.
         self.stream = stream and cv is None and not isinstance(codec, OneBitCode)
+        #: Also sum the plain mean during the first decode (round_state.Presum).
+        self.presum = presum and self.stream
         self.joint = isinstance(codec, OneBitCode)
         #: The stateless codec clients use for compressed tensors (what every payload is
         #: checked against); None for a joint code, whose payloads check themselves.
@@ -152,6 +156,9 @@ class ReplyDecoder:
         """
         repeats = Counter(self.stable_of(m.metadata.src_node_id) for m in replies)
         decoded: list[Decoded] = []
+        if self.presum:  # sum in stable-id order as the replies are decoded
+            replies = sorted(replies, key=self._id_order)
+            state.presum = Presum(RunningMean(self._claimed_total(replies, state, repeats)))
         for msg in replies:
             sid = self.stable_of(msg.metadata.src_node_id)
             row = state.per_client.setdefault(sid, empty_client_row(sid)) if sid is not None else {}
@@ -170,6 +177,8 @@ class ReplyDecoder:
                         Failure.DUPLICATE,
                     )
                 item = self.decode_reply(msg, state)
+                if state.presum is not None:
+                    state.presum.add(item.stable_id, item.deltas, item.weight)
                 if self.stream:
                     self._release(item, state)
                 decoded.append(item)
@@ -177,6 +186,26 @@ class ReplyDecoder:
                 reject(state, sid, exc)
         decoded.sort(key=lambda d: d.stable_id)  # reply order never matters
         return decoded
+
+    def _id_order(self, msg: Message) -> tuple[bool, int]:
+        """Replies by stable id, unknown senders last."""
+        sid = self.stable_of(msg.metadata.src_node_id)
+        return (sid is None, sid or 0)
+
+    def _claimed_total(self, replies: list[Message], state: RoundState, repeats: Counter) -> float:
+        """The total weight the replies claim, before any payload is decoded: the sum,
+        in stable-id order, over those whose header checks pass (what the plain mean's
+        total is if every one of them is then accepted unchanged)."""
+        weights = []
+        for msg in replies:
+            sid = self.stable_of(msg.metadata.src_node_id)
+            if msg.has_error() or sid is None or sid not in state.sent or repeats[sid] > 1:
+                continue
+            try:
+                weights.append(check_reply(msg.content, sid, state.number)[2])
+            except Exception:
+                continue
+        return float(sum(weights)) if weights else 1.0
 
     def _release(self, item: Decoded, state: RoundState) -> None:
         """Keep the update's norm, drop the dense update, decode it again on load."""

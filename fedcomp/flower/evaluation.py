@@ -14,6 +14,7 @@ from fedcomp.flower.validation import ReplyError, check_evaluate_reply, majority
 
 log = logging.getLogger("fedcomp.flower.strategy")  # one logger for the wrapper's lines
 
+
 def first_present(metrics: MetricRecord, keys: tuple[str, ...]) -> float | None:
     for key in keys:
         if key in metrics and not isinstance(metrics[key], list):

@@ -170,6 +170,7 @@ def round_record(
             **residual_summary(cv, counts, measured),
             **({"tree": counts.tree} if counts.tree is not None else {}),
             **({"joint": counts.joint} if counts.joint is not None else {}),
+            **({"decode_passes": counts.decode_passes} if counts.decode_passes is not None else {}),
         },
     }
 

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 from flwr.app import Message, MetricRecord
 
+from fedcomp.aggregate import RunningMean
 from fedcomp.controlvariates import PendingMirror
 from fedcomp.flower.joint import JointRound
 from fedcomp.results import RoundCounts
@@ -53,6 +54,33 @@ class Decoded:
 
 
 @dataclass
+class Presum:
+    """The plain mean's running sum, taken while the replies are first decoded.
+
+    The total weight is the one the replies claimed before any was decoded, and the
+    sum runs in stable-id order: if every one of them is then accepted with its
+    weight unchanged and unclipped, this IS the mean the reducer would compute (the
+    same operations in the same order), and the second decode of every reply is
+    saved; otherwise the reducer discards it and sums again (docs/trees.md).
+    """
+
+    running: RunningMean
+    members: list[tuple[int, float]] = field(default_factory=list)
+
+    def add(self, stable_id: int, update: dict[str, np.ndarray], weight: float) -> None:
+        self.running.add(update, weight)
+        self.members.append((stable_id, weight))
+
+    def matches(self, decoded: list[Decoded]) -> bool:
+        """Whether this sum is the plain mean of exactly these accepted replies."""
+        return (
+            self.members == [(d.stable_id, d.weight) for d in decoded]
+            and all(d.scale == 1.0 for d in decoded)
+            and self.running.total == float(sum(d.weight for d in decoded))
+        )
+
+
+@dataclass
 class RoundState:
     """Everything one round needs between configure_train and the round's end."""
 
@@ -66,3 +94,5 @@ class RoundState:
     joint: JointRound | None = None
     #: Every message of the round, both ways, by kind.
     traffic: Traffic = field(default_factory=Traffic)
+    #: The plain mean summed during the first decode (streaming hand-off only).
+    presum: Presum | None = None

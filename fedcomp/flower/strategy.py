@@ -82,7 +82,7 @@ from fedcomp.onebit.federated import JointServerState
 from fedcomp.reporting import Reporting
 from fedcomp.rules import check_server_options
 from fedcomp.traffic import Kind, Traffic
-from fedcomp.trees.aggregate import TreeStats
+from fedcomp.trees.aggregate import TreeConfig, TreeStats
 
 log = logging.getLogger(__name__)
 
@@ -217,6 +217,7 @@ class CompressedStrategy(Strategy):
             # the plain mean and the trees take updates one at a time: release them
             # between passes (the one-bit and residual paths keep theirs: decoding.py)
             stream=self.aggregation.pre_aggregated,
+            presum=self.aggregation.pre_aggregated and self.aggregation.trees == TreeConfig(),
         )
         self.handoff_impl = make_handoff(
             self.aggregation.handoff,
