@@ -707,3 +707,64 @@ def test_a_clipped_update_makes_the_streaming_mean_sum_again(monkeypatch) -> Non
     record, _, decodes = _plain_mean_round(monkeypatch, norm_cap=1.0)
     assert record["clipped"] > 0
     assert record["codec"]["decode_passes"] == 2 and decodes == 16
+
+
+RESIDUAL = {"name": "residual", "inner": "uniform", "bits": 2, "block": 64}
+
+
+def _residual_rounds(monkeypatch, *, handoff="pre_aggregated", second_pass=False, rounds=3):
+    """Residual rounds with every update the control variates reconstruct (ghat)
+    watched until freed: the records and the most alive at once."""
+    import weakref
+
+    from fedcomp.controlvariates import ControlVariateServer
+    from fedcomp.flower import round_state
+
+    live, peak = [0], [0]
+    original = ControlVariateServer.prepare
+
+    def watched(self, *args, **kwargs):
+        ghat, pending = original(self, *args, **kwargs)
+        biggest = max(ghat.values(), key=lambda a: a.size)
+        live[0] += 1
+        peak[0] = max(peak[0], live[0])
+        weakref.finalize(biggest, lambda: live.__setitem__(0, live[0] - 1))
+        return ghat, pending
+
+    monkeypatch.setattr(ControlVariateServer, "prepare", watched)
+    if second_pass:
+        monkeypatch.setattr(round_state.Presum, "matches", lambda self, decoded: False)
+    n = 8
+    settings = settings_from_dict(
+        {
+            "num_clients": n,
+            "num_rounds": rounds,
+            "fraction_evaluate": 0.0,
+            "codec": RESIDUAL,
+            "aggregation": {"handoff": handoff},
+            "train": {"local_epochs": 1},
+        }
+    )
+    grid = InProcessGrid(make_client_app(), n, node_ids=[10_000 + i for i in range(n)])
+    records = run_server(grid, settings)["rounds"]
+    monkeypatch.undo()
+    return records, peak[0]
+
+
+def test_residual_compression_streams_and_its_mirrors_stay_in_step(monkeypatch) -> None:
+    """Residual replies are released like any other in the pre-aggregated hand-off:
+    at most two reconstructed updates alive (the per-client hand-off holds all eight);
+    the mirrors move after the mean, from the payload decoded once more, and stay in
+    step with the clients (no resync ever requested: each client's checksum of its
+    state matched the server's mirror every round); and the mean taken during the
+    first decode equals the second pass bit for bit, round after round."""
+    records, peak = _residual_rounds(monkeypatch)
+    assert peak <= 2
+    assert all(r["replied"] == 8 and r["codec"]["resync_requests"] == 0 for r in records)
+    assert all(r["codec"]["decode_passes"] == 1 for r in records)
+    again, _ = _residual_rounds(monkeypatch, second_pass=True)
+    assert all(r["codec"]["decode_passes"] == 2 for r in again)
+    assert [r["accuracy"] for r in again] == [r["accuracy"] for r in records]
+    assert [r["loss"] for r in again] == [r["loss"] for r in records]
+    _, per_client_peak = _residual_rounds(monkeypatch, handoff="per_client", rounds=1)
+    assert per_client_peak == 8

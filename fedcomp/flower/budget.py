@@ -1,10 +1,11 @@
 """Whether a round's dense updates fit in this machine's memory, said before they exist.
 
-The streaming paths (the pre-aggregated plain mean and reduction trees) keep at most two
-decoded updates alive. The others hold one dense update per client until the round
-ends: the per-client hand-off gives the inner strategy one dense model per client (and
-Flower's aggregation copies them once more), and residual compression keeps each
-accepted update with the mirror it moves. For n clients of a model of M float32
+The streaming paths (the pre-aggregated plain mean and reduction trees, with or without
+residual compression) keep at most two decoded updates alive. The per-client hand-off
+holds one dense update per client until the round ends: it gives the inner strategy one
+dense model per client (and Flower's aggregation copies them once more). Residual
+compression's mirrors, one per client, are state kept in memory unless
+``aggregation.mirror_dir`` puts them on disk. For n clients of a model of M float32
 parameters that is about 4 n M bytes per copy: 1,000 clients of ResNet-18 need 45 GB.
 """
 
@@ -54,7 +55,9 @@ def check_round_memory(
         f"{clients} clients this round: about {need / 1e9:.2f} GB, and this machine has "
         f"{available / 1e9:.2f} GB available. The pre-aggregated hand-off with a "
         "mean-based inner strategy streams (at most two updates alive): "
-        "aggregation.handoff=pre_aggregated; or sample fewer clients (fraction_train)"
+        "aggregation.handoff=pre_aggregated; residual compression keeps its mirrors "
+        "on disk with aggregation.mirror_dir=<dir>; or sample fewer clients "
+        "(fraction_train)"
     )
     if need > available:
         raise RoundMemoryError(message)

@@ -13,12 +13,13 @@ import re
 from collections import Counter
 from collections.abc import Callable
 
-from flwr.app import ConfigRecord, Message
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message
 
 from fedcomp.aggregate import RunningMean
 from fedcomp.codecs import Codec, Memory, TensorPolicy, make_codec_from_spec
 from fedcomp.codecs.residual import SYNC_FULL, SYNC_RESTART
-from fedcomp.controlvariates import ControlVariateServer
+from fedcomp.controlvariates import ControlVariateServer, PendingMirror
 from fedcomp.failures import Failure, failure_of, short_reason
 from fedcomp.flower.accounting import count, record_bytes
 from fedcomp.flower.guards import norm_of
@@ -76,7 +77,7 @@ class ReplyDecoder:
         self.codec = codec
         #: Release each decoded update once its norm is known and decode it again when
         #: the reducer adds it (stateless codecs, plain mean): bounded server memory.
-        self.stream = stream and cv is None and not isinstance(codec, OneBitCode)
+        self.stream = stream and not isinstance(codec, OneBitCode)
         #: Also sum the plain mean during the first decode (round_state.Presum).
         self.presum = presum and self.stream
         self.joint = isinstance(codec, OneBitCode)
@@ -120,6 +121,16 @@ class ReplyDecoder:
             )
             _note_codecs(state, codecs)
             return Decoded(sid, deltas, weight, metrics, msg, joint=joint)
+        deltas, codecs, pending, sync = self._decode_update(payloads, header, sid, state)
+        _note_codecs(state, codecs)
+        return Decoded(sid, deltas, weight, metrics, msg, pending=pending, sync=sync)
+
+    def _decode_update(
+        self, payloads: ArrayRecord, header: ConfigRecord, sid: int, state: RoundState
+    ) -> tuple[dict[str, np.ndarray], dict[str, str], PendingMirror | None, int]:
+        """The reply's update, the codec of each tensor, and under residual memory the
+        mirror the reply moves its client to (not stored: the mirror moves only when
+        the reply is accepted) and the reply's sync mode."""
         sync = _int_field(header, KEY_RESYNC, 0) if self.cv is not None else 0
         deltas, codecs = decode_payloads(
             payloads,
@@ -131,10 +142,9 @@ class ReplyDecoder:
             server_round=state.number,
             stable_id=sid,
         )
-        _note_codecs(state, codecs)
-        item = Decoded(sid, deltas, weight, metrics, msg, sync=sync)
-        if self.cv is not None:  # the mirror moves only when the reply is accepted
-            ghat, item.pending = self.cv.prepare(
+        pending = None
+        if self.cv is not None:
+            ghat, pending = self.cv.prepare(
                 sid,
                 {name: deltas[name] for name in compressed_names(codecs)},
                 version=_int_field(header, KEY_CV_VERSION, -1),
@@ -142,7 +152,7 @@ class ReplyDecoder:
                 sync=sync,
             )
             deltas.update(ghat)
-        return item
+        return deltas, codecs, pending, sync
 
     # ------------------------------------------------------------------ per round
 
@@ -208,24 +218,32 @@ class ReplyDecoder:
         return float(sum(weights)) if weights else 1.0
 
     def _release(self, item: Decoded, state: RoundState) -> None:
-        """Keep the update's norm, drop the dense update, decode it again on load."""
+        """Keep the update's norm, drop the dense update (and a residual reply's
+        pending mirror: it is recomputed when committed), decode it again on load."""
         item.norm = update_norm(item.deltas)
         item.deltas = {}
-        item.reload = lambda: self._redecode(item.message, item.stable_id, state)
+        item.deferred, item.pending = item.pending is not None, None
+        item.reload = lambda: self._redecode(item.message, item.stable_id, state)[0]
 
-    def _redecode(self, msg: Message, sid: int, state: RoundState) -> dict:
-        """The same checks and decoders as the first time, on the same bytes."""
-        _, _, _, payloads = check_reply(msg.content, sid, state.number)
-        deltas, _ = decode_payloads(
-            payloads,
-            state.global_arrays,
-            codec=self._wire_codec(state.number),
-            policy=self.policy,
-            run_seed=self.run_seed,
-            server_round=state.number,
-            stable_id=sid,
-        )
-        return deltas
+    def _redecode(
+        self, msg: Message, sid: int, state: RoundState
+    ) -> tuple[dict[str, np.ndarray], PendingMirror | None]:
+        """The same checks and decoders as the first time, on the same bytes, against
+        the same mirrors (none is committed before the round's mean is taken)."""
+        header, _, _, payloads = check_reply(msg.content, sid, state.number)
+        deltas, _, pending, _ = self._decode_update(payloads, header, sid, state)
+        return deltas, pending
+
+    def commit_deferred(self, decoded: list[Decoded], state: RoundState) -> None:
+        """Move the mirrors of the accepted residual replies that were released: after
+        the mean, whose loads need the mirrors the replies were encoded against. Each
+        reply is decoded once more for it, so no round holds a mirror per client."""
+        for item in decoded:
+            if item.deferred and self.cv is not None:
+                _, pending = self._redecode(item.message, item.stable_id, state)
+                assert pending is not None
+                self.cv.commit(pending)
+                item.deferred = False
 
     def drop_outliers(self, decoded: list[Decoded], state: RoundState) -> list[Decoded]:
         """Drop replies whose update norm is beyond ``reject_factor`` x the median."""

@@ -32,6 +32,9 @@ class Decoded:
     pending: PendingMirror | None = None
     #: Residual memory: the reply's sync mode.
     sync: int = 0
+    #: Residual memory, streaming: the pending mirror was released with the update and
+    #: is committed after the mean, decoded once more (ReplyDecoder.commit_deferred).
+    deferred: bool = False
     #: Streaming hand-off: the update's L2 norm, measured when it was first decoded,
     #: then ``deltas`` is released and ``reload`` decodes the payload again when the
     #: reducer adds it (one dense update alive at a time; docs/trees.md).

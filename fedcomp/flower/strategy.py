@@ -215,7 +215,7 @@ class CompressedStrategy(Strategy):
             stable_of=self.clients.ids.stable_of,
             reject_factor=self.influence.reject_factor,
             # the plain mean and the trees take updates one at a time: release them
-            # between passes (the one-bit and residual paths keep theirs: decoding.py)
+            # between passes (the one-bit path keeps its bits: decoding.py)
             stream=self.aggregation.pre_aggregated,
             presum=self.aggregation.pre_aggregated and self.aggregation.trees == TreeConfig(),
         )
@@ -388,13 +388,15 @@ class CompressedStrategy(Strategy):
         return list(state.sent.values())
 
     def _check_memory(self, clients: int, global_arrays: Mapping[str, np.ndarray]) -> None:
-        """Refuse, before any instruction leaves, a round whose dense updates cannot fit
-        (fedcomp.flower.budget): the per-client hand-off holds two copies per client,
-        residual compression one; the streaming paths none."""
+        """Refuse, before any instruction leaves, a round whose dense copies cannot fit
+        (fedcomp.flower.budget): the per-client hand-off holds two per client; residual
+        compression's mirrors, one per client, live in memory unless mirror_dir keeps
+        them on disk (state, not round memory, but they grow with the clients reached:
+        counted here for this round's); the streaming paths hold none."""
         if not self.aggregation.pre_aggregated:
             copies, mode = 2, "aggregation.handoff=per_client"
-        elif self.cv is not None:
-            copies, mode = 1, "residual compression"
+        elif self.cv is not None and not self.aggregation.mirror_dir:
+            copies, mode = 1, "residual compression (mirrors in memory)"
         else:
             return
         model = sum(np.asarray(v).size * 4 for v in global_arrays.values())
@@ -421,6 +423,7 @@ class CompressedStrategy(Strategy):
         t1 = time.perf_counter()
         arrays, metrics = None, None
         replies_in = self.handoff_impl.replies(decoded, state) if decoded else None
+        self.decoder.commit_deferred(decoded, state)
         if not decoded:
             log.warning("round %d: no valid replies, the global model is unchanged", server_round)
         elif replies_in is not None:
