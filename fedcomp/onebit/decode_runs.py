@@ -12,9 +12,11 @@ per-answer decoder.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from fedcomp.onebit.bits import answer
 from fedcomp.onebit.decode import (
@@ -141,24 +143,38 @@ def decode_runs(
     used = used_queries(qs, coefficient_table(qs))
     chunk_size = max(8, RUN_ENTRIES // (qs.bits * (qs.num_clients + 1)) // 8 * 8)
     mean, center_all = np.empty(numel), np.empty(numel)
-    stopped_total = 0
     # As the per-answer decoder's group weight, to the last bit.
     total_weight = np.bincount(np.zeros(received.weights.size, int), received.weights)[0]
-    for first in range(0, numel, chunk_size):
+
+    def chunk(first: int) -> int:
+        """Decode coordinates [first, first + chunk_size) into ``mean``; the number of
+        coordinates whose localization stopped early."""
         count = min(chunk_size, numel - first)
         runs = _sum_runs(received, qs, lookup, seed=seed, first=first, count=count)
         center = np.zeros(count) if start is None else start[first : first + count]
         center = np.asarray(center, dtype=np.float64)
+        stopped = 0
         if localize_center and qs.num_loc:
-            center, stopped = localize(
+            center, early = localize(
                 runs.ones[: qs.num_loc],
                 runs.answers[: qs.num_loc],
                 center,
                 qs.geometry.periods,
                 min_resultant,
             )
-            stopped_total += int(np.count_nonzero(stopped))
+            stopped = int(np.count_nonzero(early))
         est = _refine_runs(runs, received, qs, used, center, seed=seed, first=first)
         mean[first : first + count] = center + est / total_weight
         center_all[first : first + count] = center
+        return stopped
+
+    # Chunks are independent and write disjoint slices, and NumPy's loops release the
+    # GIL: as many threads as torch uses (the same result whatever the number).
+    firsts = range(0, numel, chunk_size)
+    workers = max(1, min(torch.get_num_threads(), len(firsts)))
+    if workers == 1:
+        stopped_total = sum(map(chunk, firsts))
+    else:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            stopped_total = sum(pool.map(chunk, firsts))
     return JointDecode(mean=mean, center=center_all, stopped_early=stopped_total)
