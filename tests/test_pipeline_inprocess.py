@@ -596,22 +596,9 @@ def test_the_policy_threshold_from_the_settings_reaches_the_clients(min_numel, e
 def _live_update_peak(monkeypatch, handoff: str, n: int = 12, **trees) -> int:
     """The most decoded updates alive at once while the server takes a round: each
     decode's largest array is watched with a weak reference until it is freed."""
-    import weakref
-
     from fedcomp.flower import decoding
 
-    live, peak = [0], [0]
-    original = decoding.decode_payloads
-
-    def watched(*args, **kwargs):
-        deltas, codecs = original(*args, **kwargs)
-        biggest = max(deltas.values(), key=lambda a: a.size)
-        live[0] += 1
-        peak[0] = max(peak[0], live[0])
-        weakref.finalize(biggest, lambda: live.__setitem__(0, live[0] - 1))
-        return deltas, codecs
-
-    monkeypatch.setattr(decoding, "decode_payloads", watched)
+    peak = _watch_live(monkeypatch, decoding, "decode_payloads")
     settings = settings_from_dict(
         {
             "num_clients": n,
@@ -625,6 +612,27 @@ def _live_update_peak(monkeypatch, handoff: str, n: int = 12, **trees) -> int:
     ids = [10_000 + i for i in range(n)]
     run_server(InProcessGrid(make_client_app(), n, node_ids=ids), settings)
     return peak[0]
+
+
+def _watch_live(monkeypatch, owner, name: str) -> list[int]:
+    """Wrap ``owner.name`` (returning ``(arrays, ...)``) so that the largest array of
+    each call is watched with a weak reference until freed; returns a one-element list
+    that holds the most alive at once."""
+    import weakref
+
+    live, peak = [0], [0]
+    original = getattr(owner, name)
+
+    def watched(*args, **kwargs):
+        out = original(*args, **kwargs)
+        biggest = max(out[0].values(), key=lambda a: a.size)
+        live[0] += 1
+        peak[0] = max(peak[0], live[0])
+        weakref.finalize(biggest, lambda: live.__setitem__(0, live[0] - 1))
+        return out
+
+    monkeypatch.setattr(owner, name, watched)
+    return peak
 
 
 @pytest.mark.parametrize(
@@ -715,23 +723,10 @@ RESIDUAL = {"name": "residual", "inner": "uniform", "bits": 2, "block": 64}
 def _residual_rounds(monkeypatch, *, handoff="pre_aggregated", second_pass=False, rounds=3):
     """Residual rounds with every update the control variates reconstruct (ghat)
     watched until freed: the records and the most alive at once."""
-    import weakref
-
     from fedcomp.controlvariates import ControlVariateServer
     from fedcomp.flower import round_state
 
-    live, peak = [0], [0]
-    original = ControlVariateServer.prepare
-
-    def watched(self, *args, **kwargs):
-        ghat, pending = original(self, *args, **kwargs)
-        biggest = max(ghat.values(), key=lambda a: a.size)
-        live[0] += 1
-        peak[0] = max(peak[0], live[0])
-        weakref.finalize(biggest, lambda: live.__setitem__(0, live[0] - 1))
-        return ghat, pending
-
-    monkeypatch.setattr(ControlVariateServer, "prepare", watched)
+    peak = _watch_live(monkeypatch, ControlVariateServer, "prepare")
     if second_pass:
         monkeypatch.setattr(round_state.Presum, "matches", lambda self, decoded: False)
     n = 8
