@@ -31,6 +31,7 @@ class Influence:
 
 #: Coordinates per float32 partial sum of squares in :func:`update_norm`.
 NORM_ROW = 4096
+_TINY32 = float(np.finfo(np.float32).tiny)
 
 
 def update_norm(deltas: Mapping[str, np.ndarray]) -> float:
@@ -40,8 +41,9 @@ def update_norm(deltas: Mapping[str, np.ndarray]) -> float:
     float64: relative error at most ``NORM_ROW * 2^-24`` (2.4e-4) in the sum of squares,
     about 1e-6 in practice, at a fifteenth of the time of squaring every coordinate in
     float64 (a model-sized float64 temporary per reply). The norm only feeds the
-    median-based rules (outliers, clipping). A tensor whose float32 sum overflows is
-    summed again in float64, so a huge finite update gets its true, finite norm.
+    median-based rules (outliers, clipping). A tensor whose float32 sum overflows, or is
+    so small that its squares underflow, is summed again in float64, so a huge or a tiny
+    update gets its true norm.
     """
     return float(np.sqrt(sum(_sum_squares(v) for v in deltas.values() if v.dtype.kind == "f")))
 
@@ -55,7 +57,9 @@ def _sum_squares(value: np.ndarray) -> float:
         with np.errstate(over="ignore"):  # an overflow is caught just below
             total = float(np.einsum("ij,ij->i", rows, rows).sum(dtype=np.float64))
             total += float(np.dot(tail, tail))
-        if np.isfinite(total):
+        # Squares below float32's smallest normal lose their digits: a sum that small
+        # (tiny per coordinate, times the bound's 2^12) is redone in float64 as well.
+        if np.isfinite(total) and total >= flat.size * _TINY32 * 2.0**12:
             return total
     return float(np.sum(np.square(flat, dtype=np.float64)))
 

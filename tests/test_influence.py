@@ -43,3 +43,12 @@ def test_float64_tensors_are_summed_in_float64():
     rng = np.random.default_rng(0)
     update = {"w": rng.standard_normal(50_000)}
     assert update_norm(update) == pytest.approx(_exact(update), rel=1e-14)
+
+
+@pytest.mark.parametrize("value", [1e-22, 1e-24, 1e-40])
+def test_a_tiny_update_gets_its_true_nonzero_norm(value):
+    """float32 squares of these underflow (to subnormals or 0); the median-based rules
+    would then see a zero median norm."""
+    update = {"w": np.full(10_000, value, dtype=np.float32)}
+    assert update_norm(update) == pytest.approx(_exact(update), rel=1e-12)
+    assert update_norm(update) > 0

@@ -71,8 +71,9 @@ class Presum:
     members: list[tuple[int, float]] = field(default_factory=list)
 
     def add(self, stable_id: int, update: dict[str, np.ndarray], weight: float) -> None:
-        self.running.add(update, weight)
+        # Listed first: a sum left half-updated by an error can then never match.
         self.members.append((stable_id, weight))
+        self.running.add(update, weight)
 
     def matches(self, decoded: list[Decoded]) -> bool:
         """Whether this sum is the plain mean of exactly these accepted replies."""

@@ -422,8 +422,10 @@ class CompressedStrategy(Strategy):
         state.record.clipped = 0 if self.joint else clip_norms(decoded, self.influence.norm_cap)
         t1 = time.perf_counter()
         arrays, metrics = None, None
-        replies_in = self.handoff_impl.replies(decoded, state) if decoded else None
-        self.decoder.commit_deferred(decoded, state)
+        try:
+            replies_in = self.handoff_impl.replies(decoded, state) if decoded else None
+        finally:  # the replies are acknowledged: their mirrors move whatever happens
+            self.decoder.commit_deferred(decoded, state)
         if not decoded:
             log.warning("round %d: no valid replies, the global model is unchanged", server_round)
         elif replies_in is not None:
