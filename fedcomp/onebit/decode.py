@@ -171,14 +171,17 @@ def localize(
         if not active.any():
             break
         if active.all():  # the common case: no masked copies
-            y = period * np.mod(np.arctan2(sin_part, cos_part) / (2 * np.pi), 1.0)
-            center = y + period * np.round((center - y) / period)
-            continue
-        angle = np.arctan2(sin_part[active], cos_part[active]) / (2 * np.pi)
-        y = period * np.mod(angle, 1.0)
-        c = center[active]
-        center[active] = y + period * np.round((c - y) / period)
+            center = _snap(center, sin_part, cos_part, period)
+        else:
+            center[active] = _snap(center[active], sin_part[active], cos_part[active], period)
     return center, ~active
+
+
+def _snap(center: np.ndarray, sin_part: np.ndarray, cos_part: np.ndarray, period: float):
+    """The vote's angle as a position y in [0, P), and the center moved to the copy of
+    y (mod P) nearest to it."""
+    y = period * np.mod(np.arctan2(sin_part, cos_part) / (2 * np.pi), 1.0)
+    return y + period * np.round((center - y) / period)
 
 
 @dataclass
