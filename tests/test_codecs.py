@@ -361,6 +361,10 @@ def test_bit_packing_roundtrip(bits: int, values: list[int]) -> None:
     buf = pack_bits(codes, bits)
     assert len(buf) == packed_size(codes.size, bits) == math.ceil(codes.size * bits / 8)
     assert np.array_equal(unpack_bits(buf, codes.size, bits), codes)
+    # the documented layout: the codes' bits concatenated MSB first, zero-padded
+    stream = "".join(format(int(c), f"0{bits}b") for c in codes)
+    stream += "0" * (-len(stream) % 8)
+    assert buf == bytes(int(stream[i : i + 8], 2) for i in range(0, len(stream), 8))
 
 
 @settings(max_examples=200, deadline=None)

@@ -33,16 +33,15 @@ import numpy as np
 import torch
 
 from fedcomp.codecs.base import Codec, header_for, register
-from fedcomp.codecs.blocks import check_finite, check_range, expect_length, read_scales
+from fedcomp.codecs.blocks import check_range, expect_length, read_scales
 from fedcomp.codecs.packing import pack_bits, packed_size, unpack_bits
 from fedcomp.codecs.rotation import (
     MAX_BLOCK,
     MIN_BLOCK,
+    Rotation,
     block_sizes,
     check_rotation_block,
-    rotate,
-    size_runs,
-    unrotate,
+    rotation_for,
 )
 from fedcomp.codecs.wire import Payload, PayloadError
 
@@ -111,28 +110,45 @@ def _erfinv(y: float) -> float:
     return x
 
 
-#: Coordinates quantized per step: the temporaries stay in cache (measured 3x faster
-#: than whole-tensor passes at 25M coordinates).
-_CHUNK = 1 << 18
-
-
 def _centroids(bits: int) -> tuple[np.ndarray, torch.Tensor]:
     centroids, thresholds = lloyd_max_normal(bits)
     return centroids.astype(np.float32), torch.from_numpy(thresholds).float()
 
 
 def _nearest(z: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
-    """Index of the nearest centroid (uint8): the thresholds are symmetric, so count
-    the positive ones below |z| and place the count on z's side of the middle (a few
-    comparisons in cache beat a binary search here)."""
-    half = (thresholds.numel() + 1) // 2
-    magnitude = z.abs()
-    above = torch.zeros(z.shape, dtype=torch.uint8)
-    for t in thresholds[half:].tolist():
-        above += magnitude > t
-    positive = (z > 0).view(torch.uint8)
-    # z > 0: half + above; else half - 1 - above
-    return torch.where(positive.bool(), half + above, half - 1 - above)
+    """Index of the nearest centroid (uint8): the number of thresholds below z (the
+    thresholds ascend; at most 15 comparisons in cache beat a binary search here,
+    measured 2-5x faster than torch.bucketize)."""
+    codes = (z > thresholds[0]).view(torch.uint8).clone()
+    for t in thresholds[1:].tolist():
+        codes += (z > t).view(torch.uint8)
+    return codes
+
+
+#: Block maxima within [2^-50, 2^50] (or 0) let the sums of squares run in float32:
+#: squares stay normal and a 2^20 block's sum stays below 2^120 (float32 max ~2^128).
+_SAFE_LOW, _SAFE_HIGH = 2.0**-50, 2.0**50
+
+
+def _working_precision(
+    rows: torch.Tensor, magnitude: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows and their magnitudes in float32 when their squares and sums are safe
+    there (the usual case: no copy), else in float64 (extreme magnitudes overflow or
+    vanish in float32).
+
+    Raises
+    ------
+    ValueError
+        On a non-finite block: a NaN or Inf input spreads over its whole rotation block,
+        so this checks every input value without a pass of its own.
+    """
+    peak = magnitude.amax(1)
+    if not bool(torch.isfinite(peak).all()):
+        raise ValueError("eden: the update holds NaN or Inf values (or overflows when rotated)")
+    if bool(((peak == 0) | ((peak >= _SAFE_LOW) & (peak <= _SAFE_HIGH))).all()):
+        return rows, magnitude
+    return rows.double(), magnitude.double()
 
 
 def _quantize_rows(
@@ -141,19 +157,19 @@ def _quantize_rows(
     """Codes of a (count, size) chunk of blocks into ``codes``; the blocks' scales."""
     centroids, thresholds = _centroids(bits)
     size = rows.shape[1]
-    wide = rows.double()  # float32 squares overflow above ~1e19 and vanish below ~1e-19
-    norm2 = torch.linalg.vecdot(wide, wide, dim=1)
+    wide, wide_magnitude = _working_precision(rows, rows.abs())
+    norm2 = torch.linalg.vecdot(wide, wide, dim=1).double()
     if bits == 1:  # codes are signs: <y, c> = c1 * ||y||_1, ||c||^2 = size * c1^2
         codes[:] = (rows > 0).view(torch.uint8).reshape(-1).numpy()
         c1 = float(centroids[1])
-        dot = c1 * wide.abs().sum(1)
+        dot = c1 * wide_magnitude.sum(1).double()
         c_norm2 = torch.full_like(dot, size * c1 * c1)
     else:
-        rms = (norm2 / size).sqrt()
+        rms = (norm2 / size).sqrt().to(wide.dtype)
         z = (wide / torch.where(rms > 0, rms, torch.ones_like(rms))[:, None]).float()
         codes[:] = _nearest(z, thresholds).reshape(-1).numpy()
         c = torch.from_numpy(np.take(centroids, codes)).view(rows.shape)
-        dot = torch.linalg.vecdot(wide, c.double(), dim=1)
+        dot = torch.linalg.vecdot(wide, c.to(wide.dtype), dim=1).double()
         c_norm2 = torch.linalg.vecdot(c, c, dim=1).double()
     if unbiased:
         scale = torch.where(dot > 0, norm2 / dot.clamp_min(1e-300), torch.zeros_like(dot))
@@ -162,42 +178,55 @@ def _quantize_rows(
     return scale.float()
 
 
-def quantize_blocks(
-    y: torch.Tensor, sizes: list[int], bits: int, unbiased: bool
+def rotate_and_quantize(
+    x: torch.Tensor, rot: Rotation, bits: int, unbiased: bool
 ) -> tuple[np.ndarray, torch.Tensor]:
-    """Codes (uint8, one per coordinate of ``y``) and one scale per block.
+    """The packed codes (``bits`` per padded coordinate, fedcomp.codecs.packing) and
+    one scale per block of ``R x``.
 
-    Each block is divided by its RMS and every coordinate mapped to the nearest
-    Lloyd-Max centroid; the block's scale is EDEN's unbiased one or the least-squares
-    one (module docstring). A zero block gets scale 0.
+    Each piece of blocks is rotated, quantized and packed while in cache (pieces start
+    on multiples of MIN_BLOCK coordinates, so on whole bytes): each block is divided by
+    its RMS and every coordinate mapped to the nearest Lloyd-Max centroid; the block's
+    scale is EDEN's unbiased one or the least-squares one (module docstring). A zero
+    block gets scale 0.
     """
-    codes = np.empty(y.numel(), dtype=np.uint8)
-    scales = torch.empty(len(sizes), dtype=torch.float32)
+    flat = x.detach().reshape(-1)
+    packed = np.empty(packed_size(rot.padded, bits), dtype=np.uint8)
+    scales = torch.empty(rot.blocks, dtype=torch.float32)
+    scratch = torch.empty(rot.work.numel(), dtype=torch.float32)
+    codes = np.empty(rot.work.numel(), dtype=np.uint8)
     index = 0
-    for start, size, count in size_runs(sizes):
-        step = max(1, _CHUNK // size)
-        for first in range(0, count, step):
-            n = min(step, count - first)
-            begin = start + first * size
-            rows = y[begin : begin + n * size].view(n, size)
-            chunk_codes = codes[begin : begin + n * size]
-            scales[index : index + n] = _quantize_rows(rows, bits, unbiased, chunk_codes)
-            index += n
-    return codes, scales
-
-
-def dequantize_blocks(
-    codes: np.ndarray, scales: torch.Tensor, sizes: list[int], bits: int
-) -> torch.Tensor:
-    """``scale * centroid[code]`` per coordinate, in the rotated domain."""
-    centroids, _ = _centroids(bits)
-    values = torch.from_numpy(np.take(centroids, codes))
-    index = 0
-    for start, size, count in size_runs(sizes):
-        end = start + size * count
-        values[start:end].view(count, size).mul_(scales[index : index + count, None])
+    for start, size, count in rot.pieces():
+        n = size * count
+        rows = rot.load(flat, start, scratch[:n].view(count, size))
+        rot.forward_(start, rows)
+        scales[index : index + count] = _quantize_rows(rows, bits, unbiased, codes[:n])
+        first = start * bits // 8
+        packed[first : first + n * bits // 8] = np.frombuffer(pack_bits(codes[:n], bits), np.uint8)
         index += count
-    return values
+    return packed, scales
+
+
+def dequantize_and_unrotate(
+    packed: memoryview, scales: torch.Tensor, rot: Rotation, bits: int
+) -> torch.Tensor:
+    """``R^T`` of ``scale * centroid[code]``, cropped to the tensor (each piece
+    unpacked, dequantized and rotated back while in cache); ``packed`` holds exactly
+    the padded length's codes."""
+    centroids, _ = _centroids(bits)
+    out = torch.empty(rot.padded, dtype=torch.float32)
+    index = 0
+    for start, size, count in rot.pieces():
+        end = start + size * count
+        rows = out[start:end].view(count, size)
+        codes = unpack_bits(packed[start * bits // 8 : end * bits // 8], end - start, bits)
+        # codes < 2^bits by construction (unpacked bits): mode="clip" skips numpy's
+        # bounds-checked buffered path (20x slower with out=)
+        np.take(centroids, codes, out=rows.reshape(-1).numpy(), mode="clip")
+        rows.mul_(scales[index : index + count, None])
+        rot.inverse_(start, rows)
+        index += count
+    return out[: rot.numel]
 
 
 @register
@@ -282,14 +311,13 @@ class EdenCodec(Codec):
     def encode(self, x: torch.Tensor, *, seed: int) -> Payload:
         if not x.is_floating_point():
             raise ValueError(f"{self.name} codec needs a floating-point tensor, got {x.dtype}")
-        check_finite(x, self.name)
-        sizes = block_sizes(x.numel(), self.block)
-        y = rotate(x, seed=seed, block=self.block, rotations=self.rotations)
-        codes, scales = quantize_blocks(y, sizes, self.bits, self.scale == "unbiased")
+        # NaN/Inf: refused per block while quantizing (_working_precision), no extra pass
+        rot = rotation_for(x.numel(), seed=seed, block=self.block, rotations=self.rotations)
+        packed, scales = rotate_and_quantize(x, rot, self.bits, self.scale == "unbiased")
         body = (
             _PARAMS.pack(self.bits, self.rotations, int(self.scale == "unbiased"), 0, self.block)
             + scales.numpy().astype("<f4").tobytes()
-            + pack_bits(codes, self.bits)
+            + packed.tobytes()
         )
         return Payload(header_for(self.codec_id, x, seed), body)
 
@@ -304,7 +332,7 @@ class EdenCodec(Codec):
             body, _PARAMS.size + 4 * len(sizes) + packed_size(padded, p["bits"]), cls.name
         )
         scales = read_scales(body, _PARAMS.size, len(sizes))
-        codes = unpack_bits(body[_PARAMS.size + 4 * len(sizes) :], padded, p["bits"])
-        y = dequantize_blocks(codes, scales, sizes, p["bits"])
-        x = unrotate(y, numel=h.numel, seed=h.seed, block=p["block"], rotations=p["rotations"])
+        packed = body[_PARAMS.size + 4 * len(sizes) :]
+        rot = rotation_for(h.numel, seed=h.seed, block=p["block"], rotations=p["rotations"])
+        x = dequantize_and_unrotate(packed, scales, rot, p["bits"])
         return x.reshape(h.shape).to(h.dtype)

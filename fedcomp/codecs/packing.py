@@ -19,6 +19,17 @@ def packed_size(n: int, bits: int) -> int:
     return (n * bits + 7) // 8
 
 
+#: 2 and 4 bits: the ``8 / bits`` codes of one output byte, read as one little-endian
+#: word ``w = sum c_j 2^(8j)``, times the multiplier put ``sum c_j 2^(8 - bits (j+1))``
+#: (MSB first) in the word's top byte. The other products either overflow the word or
+#: stay below its top byte without carrying into it (at 2 bits they sum to at most
+#: 3 (2^20 + 2^18 + 2^16 + 2^10 + 2^8 + 1) < 2^24; at 4 bits to at most 15 < 2^8).
+_GATHER = {
+    2: (np.dtype("<u4"), np.uint32((1 << 30) | (1 << 20) | (1 << 10) | 1), np.uint32(24)),
+    4: (np.dtype("<u2"), np.uint16((1 << 12) | 1), np.uint16(8)),
+}
+
+
 def pack_bits(codes: np.ndarray, bits: int) -> bytes:
     """Pack unsigned codes (each < 2**bits) into bytes, MSB first."""
     if not 1 <= bits <= 8:
@@ -28,14 +39,12 @@ def pack_bits(codes: np.ndarray, bits: int) -> bytes:
         return codes.tobytes()
     if bits == 1:
         return np.packbits(codes).tobytes()
-    if 8 % bits == 0:  # 2 or 4 bits: several whole codes per byte, one strided pass each
+    if 8 % bits == 0:  # 2 or 4 bits: the codes of one byte gathered by one multiply
         per = 8 // bits
-        padded = np.zeros(packed_size(codes.size, bits) * per, dtype=np.uint8)
-        padded[: codes.size] = codes
-        out = padded[0::per] << np.uint8(8 - bits)
-        for j in range(1, per):
-            out |= padded[j::per] << np.uint8(8 - bits * (j + 1))
-        return out.tobytes()
+        if codes.size % per:
+            codes = np.concatenate([codes, np.zeros(per - codes.size % per, np.uint8)])
+        word, multiplier, shift = _GATHER[bits]
+        return ((codes.view(word) * multiplier) >> shift).astype(np.uint8).tobytes()
     # 3, 5, 6, 7 bits: eight codes make exactly ``bits`` bytes, one big-endian integer.
     groups = np.zeros(-(-codes.size // 8) * 8, dtype=np.uint8)
     groups[: codes.size] = codes
@@ -45,6 +54,20 @@ def pack_bits(codes: np.ndarray, bits: int) -> bytes:
         word |= groups[:, j].astype(np.uint64) << np.uint64((7 - j) * bits)
     out = word.astype(">u8").view(np.uint8).reshape(-1, 8)[:, 8 - bits :]
     return out.tobytes()[: packed_size(codes.size, bits)]
+
+
+def _spread_table(bits: int) -> np.ndarray:
+    """For each byte value, its ``8 / bits`` codes (MSB first) as one little-endian word."""
+    per = 8 // bits
+    values = np.arange(256, dtype=np.uint8)
+    codes = np.stack(
+        [(values >> np.uint8(8 - bits * (j + 1))) & np.uint8((1 << bits) - 1) for j in range(per)],
+        axis=1,
+    )
+    return np.ascontiguousarray(codes).view(_GATHER[bits][0])[:, 0]
+
+
+_SPREAD = {bits: _spread_table(bits) for bits in _GATHER}
 
 
 def unpack_bits(buf: bytes | memoryview, n: int, bits: int) -> np.ndarray:
@@ -59,13 +82,8 @@ def unpack_bits(buf: bytes | memoryview, n: int, bits: int) -> np.ndarray:
         return raw.copy()
     if bits == 1:
         return np.unpackbits(raw, count=n)
-    if 8 % bits == 0:
-        per = 8 // bits
-        mask = np.uint8((1 << bits) - 1)
-        out = np.empty(raw.size * per, dtype=np.uint8)
-        for j in range(per):
-            out[j::per] = (raw >> np.uint8(8 - bits * (j + 1))) & mask
-        return out[:n]
+    if 8 % bits == 0:  # one gather: each byte value's codes, precomputed
+        return np.take(_SPREAD[bits], raw, mode="clip").view(np.uint8)[:n]
     groups = -(-n // 8)
     whole = np.zeros(groups * bits, dtype=np.uint8)
     whole[: raw.size] = raw  # whole groups of eight codes, zero-padded
