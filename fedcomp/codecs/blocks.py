@@ -88,8 +88,10 @@ def check_finite_scales(scales: torch.Tensor, codec: str) -> None:
 
 
 #: Coordinates per chunk in the chunked kernels: small enough that the half-dozen
-#: elementwise passes stay in cache (measured: 3.5x faster than whole-tensor passes).
-CHUNK = 1 << 16
+#: elementwise passes stay in cache (measured: 3.5x faster than whole-tensor passes),
+#: large enough that the per-chunk Python overhead stays small (2^18 against 2^16:
+#: QSGD encode 1.1 against 0.85 GB/s at 25M on this machine's 2 MB L2 per core).
+CHUNK = 1 << 18
 
 
 def chunk_blocks(block: int) -> int:
@@ -172,6 +174,26 @@ def chunks(flat: torch.Tensor, block: int):
         if pad:
             piece = torch.cat([piece, piece.new_zeros(pad)])
         yield start // block, piece.view(-1, block)
+
+
+#: Block maxima within [2^-50, 2^50] (or 0) let sums of squares run in float32: the
+#: squares stay normal and a 2^20 block's sum stays below 2^120 (float32 max ~2^128).
+SAFE_LOW, SAFE_HIGH = 2.0**-50, 2.0**50
+
+
+def float32_safe(peak: torch.Tensor) -> bool:
+    """Whether blocks with these maxima of |x| can sum their squares in float32 (a NaN
+    or Inf maximum is not safe: the float64 path then carries it into the result)."""
+    return bool(((peak == 0) | ((peak >= SAFE_LOW) & (peak <= SAFE_HIGH))).all())
+
+
+def row_norms(rows: torch.Tensor) -> torch.Tensor:
+    """The L2 norm of each row (float64): summed in float32 when safe (the usual case,
+    no copy), else in float64."""
+    if float32_safe(rows.abs().amax(1)):
+        return torch.linalg.vecdot(rows, rows, dim=1).double().sqrt()
+    wide = rows.double()
+    return torch.linalg.vecdot(wide, wide, dim=1).sqrt()
 
 
 def num_blocks(numel: int, block: int) -> int:

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from fedcomp.codecs.base import Codec, header_for, register
-from fedcomp.codecs.blocks import check_range, expect_length, read_scales
+from fedcomp.codecs.blocks import check_range, expect_length, float32_safe, read_scales
 from fedcomp.codecs.packing import pack_bits, packed_size, unpack_bits
 from fedcomp.codecs.rotation import (
     MAX_BLOCK,
@@ -125,11 +125,6 @@ def _nearest(z: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
     return codes
 
 
-#: Block maxima within [2^-50, 2^50] (or 0) let the sums of squares run in float32:
-#: squares stay normal and a 2^20 block's sum stays below 2^120 (float32 max ~2^128).
-_SAFE_LOW, _SAFE_HIGH = 2.0**-50, 2.0**50
-
-
 def _working_precision(
     rows: torch.Tensor, magnitude: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,7 +141,7 @@ def _working_precision(
     peak = magnitude.amax(1)
     if not bool(torch.isfinite(peak).all()):
         raise ValueError("eden: the update holds NaN or Inf values (or overflows when rotated)")
-    if bool(((peak == 0) | ((peak >= _SAFE_LOW) & (peak <= _SAFE_HIGH))).all()):
+    if float32_safe(peak):
         return rows, magnitude
     return rows.double(), magnitude.double()
 

@@ -32,9 +32,10 @@ from fedcomp.codecs.blocks import (
     num_blocks,
     private_generator,
     read_scales,
+    row_norms,
     scale_blocks_,
 )
-from fedcomp.codecs.packing import pack_bits, packed_size, unpack_bits
+from fedcomp.codecs.packing import BitWriter, pack_bits, packed_size, unpack_bits
 from fedcomp.codecs.wire import Payload, PayloadError
 
 _BITS_BLOCK = struct.Struct("<BBI")
@@ -226,28 +227,25 @@ class QSGDCodec(Codec):
     def encode(self, x: torch.Tensor, *, seed: int) -> Payload:
         _float_only(x, self.name)
         flat = x.detach().reshape(-1).to(torch.float32)
-        # Norms in float64: a float32 sum of squares of a large block can overflow.
-        norms = block_reduce(flat, self.block, "sumsq").sqrt()
-        check_finite_scales(norms, self.name)
-        inv = torch.where(norms > 0, self.levels / norms, torch.zeros_like(norms)).float()
-        offset, top = dither_range(self.levels)
-        codes = torch.empty(flat.numel() + self.block, dtype=torch.uint8)
+        n = flat.numel()
+        norms = torch.empty(num_blocks(n, self.block), dtype=torch.float64)
+        writer = BitWriter(_qsgd_width(self.levels))
         generator = private_generator(seed)
+        # The code is levels (1 + x / ||x||) in [0, 2 levels], stochastically rounded:
+        # levels is an integer, so this is QSGD's sign and rounded level |x| levels / ||x||
+        # shifted by levels, with the same distribution, in one pass with no sign work.
+        offset, top = dither_range(2 * self.levels)
         for first, chunk in chunks(flat, self.block):
-            t = chunk.abs().mul_(inv[first : first + chunk.shape[0], None])
-            t.add_(offset).clamp_(0, top)
-            level = torch.empty(chunk.numel(), dtype=torch.uint8)
-            dithered_floor(t, generator, self.levels, level)
-            # Code = signed level + levels, in [0, 2 levels].
-            signed = torch.where(torch.signbit(chunk.reshape(-1)), -level.to(torch.int16), level)
-            begin = first * self.block
-            codes[begin : begin + chunk.numel()] = (signed + self.levels).to(torch.uint8)
-        width = _qsgd_width(self.levels)
-        body = (
-            _BITS_BLOCK.pack(self.levels, 0, self.block)
-            + _scales_bytes(norms)
-            + pack_bits(codes[: x.numel()].numpy(), width)
-        )
+            norm = row_norms(chunk)
+            check_finite_scales(norm, self.name)
+            norms[first : first + chunk.shape[0]] = norm
+            inv = torch.where(norm > 0, self.levels / norm, torch.zeros_like(norm)).float()
+            t = chunk * inv[:, None]
+            t.add_(self.levels + offset).clamp_(0, top)
+            codes = torch.empty(chunk.numel(), dtype=torch.uint8)
+            dithered_floor(t, generator, 2 * self.levels, codes)
+            writer.add(codes[: n - first * self.block].numpy())  # not the padding
+        body = _BITS_BLOCK.pack(self.levels, 0, self.block) + _scales_bytes(norms) + writer.finish()
         return Payload(header_for(self.codec_id, x), body)
 
     @classmethod

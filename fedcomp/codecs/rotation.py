@@ -165,9 +165,7 @@ def _flip_signs_(rows: torch.Tensor, masks: torch.Tensor) -> None:
         rows.reshape(-1).view(torch.uint8)[3::4].bitwise_xor_(masks)
 
 
-def pieces(
-    runs: list[tuple[int, int, int]], chunk: int
-) -> Iterator[tuple[int, int, int]]:
+def pieces(runs: list[tuple[int, int, int]], chunk: int) -> Iterator[tuple[int, int, int]]:
     """The blocks of ``runs`` in order, in pieces of equal-size blocks of at most
     ``chunk`` coordinates (one block at least): (start offset, block size, count)."""
     for start, size, count in runs:
