@@ -45,7 +45,7 @@ bench: $(STAMP)
 	$(PY) -m experiments.bench_entropy --out experiments/results/bench_entropy.md
 	$(PY) -m experiments.bench_aggregation --out experiments/results/bench_aggregation.md
 
-## leaderboard: every recipe on digits (3 seeds, about an hour on 2 cores, in-process),
+## leaderboard: every recipe on digits (3 seeds, about 15 minutes on 2 cores, in-process),
 ## ranked by total bytes to FedAvg's accuracy; summary and plot in experiments/results/
 leaderboard: $(STAMP)
 	$(PY) -m experiments.presets leaderboard_digits

@@ -56,7 +56,7 @@ def test_presets_name_the_experiments_and_validate() -> None:
         "trees_femnist_smoke": 2 * 4,
         "bidirectional_digits": 2 * 3 * 12 * 3,
         "bidirectional_digits_smoke": 2 * 2,
-        "leaderboard_digits": 20 * 3,
+        "leaderboard_digits": 21 * 3,
         "leaderboard_digits_smoke": 3,
         "cross_device_smoke": 1,
         "cross_device": 3 * 3,
