@@ -73,6 +73,15 @@ def _client_state_dir(msg: Message) -> str | None:
     return json.loads(str(config[KEY_TASK])).get("client_state_dir") or None
 
 
+def _client_state_in_context(msg: Message) -> bool:
+    """Whether the codec memory and replica stay in Context.state (settings.client_state
+    is "memory") or only in client_state_dir ("disk")."""
+    config = _task_config(msg)
+    if config is None:
+        return True
+    return json.loads(str(config[KEY_TASK])).get("client_state", "memory") != "disk"
+
+
 def _initial_model(msg: Message) -> ArrayRecord:
     """The run's initial model, built from the task's seed exactly as the ServerApp
     builds it (downlink.initial=seeded: version 0 of the replica is never sent)."""
@@ -93,7 +102,12 @@ def make_client_app(
     """
     # Fault injection (inactive unless faults.* rates are set): outside the compression
     # mod for crashes, drops and corrupt payloads, inside it for NaN models.
-    mod = CompressionMod(policy, state_dir=_client_state_dir, initial_model=_initial_model)
+    mod = CompressionMod(
+        policy,
+        state_dir=_client_state_dir,
+        state_in_context=_client_state_in_context,
+        initial_model=_initial_model,
+    )
     app = ClientApp(mods=[FaultMod(), mod])
 
     @app.train(mods=[NaNFaultMod(), *(inner_mods or [])])

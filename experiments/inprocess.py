@@ -15,7 +15,10 @@ import numpy as np
 from flwr.app import ArrayRecord, Context, Error, Message, MessageType, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
-from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+from flwr.supercore.inflatable.inflatable_object import (
+    get_all_nested_objects,
+    no_object_id_recompute,
+)
 from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_contents
 from flwr.supercore.task_identity import TaskIdentity
 
@@ -139,10 +142,13 @@ class InProcessGrid:
         """The message as the other side gets it: deflated into Flower's objects and
         inflated again (its own copy, so a mod that rebuilds a message's content does
         not change what the server sent); the bytes pushed are appended to ``pushed``
-        (identical objects once, as Flower pushes them)."""
-        contents = {oid: o.deflate() for oid, o in get_all_nested_objects(msg).items()}
+        (identical objects once, as Flower pushes them). Object ids are computed once
+        per object, in Flower's own context for pushing a message."""
+        with no_object_id_recompute():
+            contents = {oid: o.deflate() for oid, o in get_all_nested_objects(msg).items()}
+            root = msg.object_id
         pushed.append(sum(len(c) for c in contents.values()))
-        return inflate_object_from_contents(msg.object_id, contents)
+        return inflate_object_from_contents(root, contents)
 
 
 class Spy:

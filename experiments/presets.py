@@ -64,8 +64,10 @@ def run_inprocess(settings: Settings) -> dict:
     """The real ClientApp and ServerApp, one process, no Ray."""
     from clients.client_app import make_client_app
     from experiments.inprocess import InProcessGrid, set_task_identity
+    from experiments.simulate import check_simulation_state
     from strategies.server_app import run_server
 
+    check_simulation_state(settings)  # every client's Context.state is in this process
     set_task_identity()
     ids = [10_000 + i for i in range(settings.num_clients)]
     return run_server(

@@ -31,7 +31,14 @@ from fedcomp.settings import Settings, flatten, settings_to_dict
 
 #: Settings that differ per run without being part of the sweep.
 #: Per-run paths and switches that never define a method or setting.
-_IGNORED = {"results_path", "diagnostics_dir", "resume", "progress", "client_state_dir"}
+_IGNORED = {
+    "results_path",
+    "diagnostics_dir",
+    "resume",
+    "progress",
+    "client_state_dir",
+    "client_state",
+}
 
 
 def find_results(root: Path) -> list[Path]:

@@ -126,10 +126,36 @@ def preflight(settings: Settings, *, ray: bool = True) -> None:
     make_inner_strategy(settings.strategy, settings.num_clients)
 
 
+def client_state_copies(settings: Settings) -> int:
+    """Model-sized arrays each client keeps between rounds: a codec memory holds a
+    committed and a pending state, a compressed downlink one replica."""
+    from fedcomp.codecs.memory import Memory
+    from fedcomp.downlink import parse_downlink
+
+    memory = 2 if isinstance(make_codec_from_spec(settings.codec), Memory) else 0
+    return memory + (1 if parse_downlink(settings.downlink).active else 0)
+
+
+def check_simulation_state(settings: Settings) -> int:
+    """Refuse (or warn about) a simulation whose clients' Context.state, all held in
+    this process, would not fit in memory (fedcomp.flower.budget.check_client_state).
+    Returns the bytes it may take (0 with client_state=disk)."""
+    from fedcomp.flower.budget import available_memory, check_client_state
+    from fedcomp.models import build_model
+
+    copies = client_state_copies(settings)
+    if settings.client_state == "disk" or not copies:
+        return 0
+    model = build_model(settings.model, settings.dataset.name, settings.seed)
+    model_bytes = sum(4 * t.numel() for t in model.state_dict().values())
+    return check_client_state(settings.num_clients, model_bytes, copies, available_memory())
+
+
 def simulate(settings: Settings, *, verbose: bool = False) -> dict[str, Any]:
     """Check everything (before Ray starts), run the simulation, return the results."""
     settings = absolute_paths(settings)
     preflight(settings)
+    check_simulation_state(settings)
     from flwr.simulation import run_simulation
 
     from clients.client_app import make_client_app

@@ -29,6 +29,7 @@ RESUMABLE_DIFFERENCES = (
     "diagnostics_dir",
     "progress",
     "client_state_dir",
+    "client_state",
 )
 
 

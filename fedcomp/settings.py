@@ -41,6 +41,7 @@ PARTITIONS = ("dirichlet", "iid", "natural", "pathological")
 MODELS = ("mlp", "cnn", "resnet18")
 DEVICES = ("auto", "cpu", "cuda")
 PROGRESS = ("auto", "bar", "log", "off")
+CLIENT_STATES = ("memory", "disk")
 STRATEGIES = (
     "fedavg",
     "fedavgm",
@@ -296,6 +297,12 @@ class Settings:
     #: variate) in files here, so a resumed run continues with it ("" = only in
     #: Context.state). experiments.run sets it to <run dir>/client_state.
     client_state_dir: str = ""
+    #: Where clients keep that memory and their downlink replica: "memory" (in
+    #: Context.state, plus a file copy when client_state_dir is set) or "disk" (only
+    #: in client_state_dir; Context.state keeps none of it). In run_simulation every
+    #: client's Context.state lives in the driver process: "disk" bounds it for many
+    #: clients (docs/experiments.md, "Cross-device").
+    client_state: str = "memory"
     #: Progress display: "bar" (one line updated in place on stderr), "log" (a progress
     #: log line at most once a minute), "auto" (bar when stderr is a terminal, else log).
     progress: str = "auto"
@@ -414,6 +421,14 @@ def validate(settings: Settings) -> Settings:
     if s.seed < 0:
         _fail("seed", s.seed, "must be a non-negative integer")
     _check_choice("progress", s.progress, PROGRESS)
+    _check_choice("client_state", s.client_state, CLIENT_STATES)
+    if s.client_state == "disk" and not s.client_state_dir:
+        _fail(
+            "client_state",
+            s.client_state,
+            "keeps client state only in files: set client_state_dir=<dir> too "
+            "(experiments.run sets it to <run dir>/client_state)",
+        )
     for group in (s.dataset, s.partition, s.model, s.train, s.policy, s.faults, s.simulation):
         group.check()
     if s.partition.name == "natural" and s.dataset.name != "femnist":

@@ -55,6 +55,7 @@ CLIENT_TASK_KEYS = (
     "diagnostics_dir",
     "faults",
     "client_state_dir",
+    "client_state",
 )
 
 

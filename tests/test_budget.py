@@ -67,3 +67,33 @@ def test_the_wrapper_refuses_a_per_client_round_that_cannot_fit(monkeypatch) -> 
     streaming = _settings("pre_aggregated", {"name": "uniform", "bits": 4})
     (record,) = run_server(InProcessGrid(make_client_app(), 4), streaming)["rounds"]
     assert record["replied"] == 4
+
+
+def test_client_state_that_cannot_fit_in_one_process_is_refused_naming_disk(monkeypatch) -> None:
+    """A simulation's clients keep their state in the driver: the model's float32 bytes
+    x clients x (2 for a codec memory + 1 for a downlink replica), from the model
+    itself. Just below it the run is refused naming client_state=disk; with disk (or
+    a stateless codec and no downlink) nothing is held."""
+    from experiments.simulate import check_simulation_state
+
+    settings = settings_from_dict(
+        {
+            "num_clients": 1000,
+            "codec": {"name": "ef", "inner": "sign"},
+            "downlink": {"name": "sign", "memory": "error_feedback"},
+        }
+    )
+    model = sum(
+        np.asarray(v).size * 4
+        for v in build_model(settings.model, "digits", 0).state_dict().values()
+    )
+    need = 1000 * model * 3
+    monkeypatch.setattr("fedcomp.flower.budget.available_memory", lambda: need)
+    assert check_simulation_state(settings) == need
+    monkeypatch.setattr("fedcomp.flower.budget.available_memory", lambda: need - 1)
+    with pytest.raises(RoundMemoryError, match=r"1000 clients.*client_state=disk"):
+        check_simulation_state(settings)
+    settings.client_state, settings.client_state_dir = "disk", "/tmp/unused"
+    assert check_simulation_state(settings) == 0
+    stateless = settings_from_dict({"num_clients": 1000, "codec": {"name": "sign"}})
+    assert check_simulation_state(stateless) == 0

@@ -431,3 +431,48 @@ def test_cross_device_smoke_learns_ids_once_and_keeps_state_only_where_clients_t
     assert 20 <= len(reached) <= 3 * (20 + 10)
     assert all(sizes[sid] > 0 for sid in reached)
     assert all(size == 0 for sid, size in sizes.items() if sid not in reached)
+
+
+def _round_numbers(results: dict) -> list[tuple]:
+    """What a run computed and what its clients sent (instructions carry the settings,
+    whose text differs between the runs compared)."""
+    keys = ("accuracy", "loss", "client_accuracy", "uplink_wire_bytes", "resyncs", "replied")
+    return [
+        (*(r[k] for k in keys), r["traffic"]["train_reply"], r["traffic"]["evaluate_reply"])
+        for r in results["rounds"]
+    ]
+
+
+def test_client_state_on_disk_keeps_context_state_empty_and_changes_nothing(tmp_path) -> None:
+    """client_state=disk: the codec memory (error feedback) and the downlink replica
+    live only in client_state_dir, so the driver's Context.state holds no arrays, and
+    every per-round number equals the in-memory run's: clients sampled again read the
+    same state back from their files."""
+    sizes = ("num_clients=40", "fraction_train=0.5", "fraction_evaluate=0.25", "num_rounds=3")
+    (memory,) = preset_settings("cross_device_smoke", *sizes)
+    (disk,) = preset_settings(
+        "cross_device_smoke", *sizes, "client_state=disk", f"client_state_dir={tmp_path}"
+    )
+    runs = {}
+    for name, settings in (("memory", memory), ("disk", disk)):
+        ids = [10_000 + i for i in range(settings.num_clients)]
+        grid = InProcessGrid(make_client_app(), settings.num_clients, node_ids=ids)
+        runs[name] = (run_server(grid, settings), grid)
+    (in_memory, grid_memory), (on_disk, grid_disk) = runs["memory"], runs["disk"]
+    assert _round_numbers(on_disk) == _round_numbers(in_memory)
+    trained = [
+        {c["client"] for c in r["per_client"] if "train_reply" in c["wire_bytes_by_kind"]}
+        for r in in_memory["rounds"]
+    ]
+    assert trained[0] & trained[1]  # some clients trained again: their state was read
+    assert sum(_state_bytes(c.state) for c in grid_memory.contexts.values()) > 0
+    assert all(_state_bytes(c.state) == 0 for c in grid_disk.contexts.values())
+    names = {p.name for p in tmp_path.iterdir()}
+    assert {f"client-{int(sid):06d}.npz" for sid in set().union(*trained)} <= names
+
+
+def test_client_state_disk_needs_a_directory() -> None:
+    with pytest.raises(ValueError, match=r"client_state.*client_state_dir"):
+        preset_settings("cross_device_smoke", "client_state=disk")
+    with pytest.raises(ValueError, match=r"client_state.*allowed: memory, disk"):
+        preset_settings("cross_device_smoke", "client_state=ram")

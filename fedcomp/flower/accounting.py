@@ -12,7 +12,10 @@ Every message of a round, in both directions, is counted by kind into the round'
 from __future__ import annotations
 
 from flwr.app import Message, RecordDict
-from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+from flwr.supercore.inflatable.inflatable_object import (
+    get_all_nested_objects,
+    no_object_id_recompute,
+)
 
 from fedcomp.traffic import Kind, Traffic
 
@@ -25,9 +28,12 @@ def record_bytes(content: RecordDict) -> int:
 def wire_bytes(obj: Message | RecordDict) -> int:
     """Sum of the deflated sizes of every object a message (or content) consists of.
 
-    Identical objects (e.g. equal chunks) are pushed once, as Flower does.
+    Identical objects (e.g. equal chunks) are pushed once, as Flower does. Each
+    object's id is computed once (Flower's own context for pushing a message: without
+    it every level of the tree deflates its children again).
     """
-    return sum(len(o.deflate()) for o in get_all_nested_objects(obj).values())
+    with no_object_id_recompute():
+        return sum(len(o.deflate()) for o in get_all_nested_objects(obj).values())
 
 
 def count(

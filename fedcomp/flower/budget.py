@@ -64,3 +64,32 @@ def check_round_memory(
     if need > WARN_FRACTION * available:
         log.warning("%s", message)
     return need
+
+
+def check_client_state(clients: int, model_bytes: int, copies: int, available: int | None) -> int:
+    """In one simulation process (run_simulation's driver, or an in-process grid) every
+    client's Context.state stays in memory: refuse a run whose clients' state of
+    ``copies`` models each (codec memory: committed and pending; downlink replica: one)
+    would exceed ``available`` memory once every client has been reached, warn above
+    half of it. Returns the bytes that takes.
+
+    Raises
+    ------
+    RoundMemoryError
+        Naming the need, what is available and ``client_state=disk``.
+    """
+    need = clients * model_bytes * copies
+    if available is None or need == 0:
+        return need
+    message = (
+        f"client_state=memory keeps {copies} model-sized array(s) of "
+        f"{model_bytes / 1e6:.1f} MB per client in this process's Context.state; for "
+        f"{clients} clients that is up to {need / 1e9:.2f} GB, and this machine has "
+        f"{available / 1e9:.2f} GB available: set client_state=disk (with "
+        "client_state_dir=<dir>) to keep it in files instead"
+    )
+    if need > available:
+        raise RoundMemoryError(message)
+    if need > WARN_FRACTION * available:
+        log.warning("%s", message)
+    return need

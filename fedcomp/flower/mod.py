@@ -130,6 +130,11 @@ class CompressionMod:
         read when ``Context.state`` has none: the memory survives a device restart (or
         a resumed simulation) instead of being resynced. A callable gets the instruction
         and returns the directory (or None).
+    state_in_context : bool or callable (default: True)
+        False keeps the codec memory and the downlink replica ONLY in ``state_dir``:
+        ``Context.state`` holds none of it, which bounds the simulation driver's memory
+        (it keeps every node's Context.state) at the cost of a file read and write per
+        instruction. A callable gets the instruction.
     initial_model : callable, optional
         Builds the run's initial model (the ArrayRecord the server started from) from
         the instruction, e.g. from the seed in the app's run config: with the server's
@@ -144,10 +149,14 @@ class CompressionMod:
         measure_fp32_reference: bool = True,
         measure_error: bool = True,
         state_dir: str | Callable[[Message], str | None] | None = None,
+        state_in_context: bool | Callable[[Message], bool] = True,
         initial_model: Callable[[Message], ArrayRecord] | None = None,
     ) -> None:
+        if state_in_context is False and state_dir is None:
+            raise ValueError("CompressionMod: state_in_context=False needs a state_dir")
         self.policy = policy or TensorPolicy()
         self.state_dir = state_dir
+        self.state_in_context = state_in_context
         self.initial_model = initial_model
         self.measure_fp32_reference = measure_fp32_reference
         self.measure_error = measure_error
@@ -161,6 +170,10 @@ class CompressionMod:
             return call_next(msg, ctxt)  # not fedcomp's: untouched
         if is_identity_message(msg):  # first contact: answered here, no training
             return identity_reply(msg, ctxt, HANDLES)
+        if not self._in_context(msg) and not self._state_dir(msg):
+            return _precondition_error(
+                msg, "CompressionMod: state kept out of Context.state needs a state_dir"
+            )
         try:  # the run settings, when the instruction carries only their digest
             digest = restore_settings(msg.content, ctxt.state)
         except ValueError as exc:
@@ -208,9 +221,10 @@ class CompressionMod:
         content[RECORD_HEADER] = header
         content[RECORD_METRICS] = out_metrics
         reply = Message(content, reply_to=msg)
-        if encoded.memory is not None:
-            store_memory(ctxt.state, encoded.memory)  # last: nothing after this can fail
+        if encoded.memory is not None:  # last: nothing after this can fail
             directory = self._state_dir(msg)
+            if self._in_context(msg):
+                store_memory(ctxt.state, encoded.memory)
             if directory:
                 save_memory_file(memory_path(directory, instruction.stable_id), encoded.memory)
         return reply
@@ -226,7 +240,7 @@ class CompressionMod:
             build = self.initial_model
             initial = (lambda: _as_numpy(build(msg))) if build is not None else None
             replica = rebuild_model(msg, load_replica(ctxt.state, path), initial)
-            store_replica(ctxt.state, replica, path)
+            store_replica(ctxt.state if self._in_context(msg) else None, replica, path)
         except (ReplicaError, ValueError, KeyError, TypeError) as exc:
             return _precondition_error(msg, f"CompressionMod: downlink replica: {exc}")
         return replica
@@ -296,6 +310,11 @@ class CompressionMod:
 
     def _state_dir(self, msg: Message) -> str | None:
         return self.state_dir(msg) if callable(self.state_dir) else self.state_dir
+
+    def _in_context(self, msg: Message) -> bool:
+        """Whether Context.state keeps the memory and replica (else only the files)."""
+        keep = self.state_in_context
+        return bool(keep(msg)) if callable(keep) else keep
 
     def _load_memory(self, msg: Message, ctxt: Context) -> MemoryState:
         """The memory in Context.state, else the one on disk (a restarted client)."""

@@ -215,12 +215,14 @@ def load_replica(state: RecordDict, path: Path | None) -> Replica:
     return Replica()
 
 
-def store_replica(state: RecordDict, replica: Replica, path: Path | None) -> None:
-    """Keep the replica in Context.state (and, on a device, in its file)."""
+def store_replica(state: RecordDict | None, replica: Replica, path: Path | None) -> None:
+    """Keep the replica in Context.state (None: not there) and, with a path, in its
+    file."""
     arrays = replica.arrays or {}
-    state[RECORD_REPLICA] = ArrayRecord({k: Array(v) for k, v in arrays.items()})
-    state[RECORD_REPLICA_META] = ConfigRecord(
-        {"version": replica.version, "checksum": replica.checksum}
-    )
+    if state is not None:
+        state[RECORD_REPLICA] = ArrayRecord({k: Array(v) for k, v in arrays.items()})
+        state[RECORD_REPLICA_META] = ConfigRecord(
+            {"version": replica.version, "checksum": replica.checksum}
+        )
     if path is not None:
         write_npz_meta(path, {"version": replica.version, "checksum": replica.checksum}, arrays)
