@@ -128,11 +128,14 @@ def preflight(settings: Settings, *, ray: bool = True) -> None:
 
 def client_state_copies(settings: Settings) -> int:
     """Model-sized arrays each client keeps between rounds: a codec memory holds a
-    committed and a pending state, a compressed downlink one replica."""
+    committed and a pending state (DGC two arrays in each: error and momentum), a
+    compressed downlink one replica."""
+    from fedcomp.codecs.dgc import DGCMemory
     from fedcomp.codecs.memory import Memory
     from fedcomp.downlink import parse_downlink
 
-    memory = 2 if isinstance(make_codec_from_spec(settings.codec), Memory) else 0
+    codec = make_codec_from_spec(settings.codec)
+    memory = 4 if isinstance(codec, DGCMemory) else 2 if isinstance(codec, Memory) else 0
     return memory + (1 if parse_downlink(settings.downlink).active else 0)
 
 

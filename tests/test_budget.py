@@ -97,3 +97,9 @@ def test_client_state_that_cannot_fit_in_one_process_is_refused_naming_disk(monk
     assert check_simulation_state(settings) == 0
     stateless = settings_from_dict({"num_clients": 1000, "codec": {"name": "sign"}})
     assert check_simulation_state(stateless) == 0
+    # DGC keeps an error and a momentum per tensor, each committed and pending
+    dgc = settings_from_dict(
+        {"num_clients": 1000, "codec": {"name": "dgc", "inner": "sparseq", "fraction": 0.01}}
+    )
+    monkeypatch.setattr("fedcomp.flower.budget.available_memory", lambda: 10**15)
+    assert check_simulation_state(dgc) == 1000 * model * 4

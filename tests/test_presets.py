@@ -447,19 +447,23 @@ def test_client_state_on_disk_keeps_context_state_empty_and_changes_nothing(tmp_
     """client_state=disk: the codec memory (error feedback) and the downlink replica
     live only in client_state_dir, so the driver's Context.state holds no arrays, and
     every per-round number equals the in-memory run's: clients sampled again read the
-    same state back from their files."""
+    same state back from their files, and a second run in the same directory ignores
+    the first run's files (the server has accepted nothing from those clients yet)."""
     sizes = ("num_clients=40", "fraction_train=0.5", "fraction_evaluate=0.25", "num_rounds=3")
     (memory,) = preset_settings("cross_device_smoke", *sizes)
     (disk,) = preset_settings(
         "cross_device_smoke", *sizes, "client_state=disk", f"client_state_dir={tmp_path}"
     )
     runs = {}
-    for name, settings in (("memory", memory), ("disk", disk)):
+    # "again": the same run once more in the same directory, which now holds the first
+    # run's memories and replicas: a new run must not pick them up
+    for name, settings in (("memory", memory), ("disk", disk), ("again", disk)):
         ids = [10_000 + i for i in range(settings.num_clients)]
         grid = InProcessGrid(make_client_app(), settings.num_clients, node_ids=ids)
         runs[name] = (run_server(grid, settings), grid)
     (in_memory, grid_memory), (on_disk, grid_disk) = runs["memory"], runs["disk"]
     assert _round_numbers(on_disk) == _round_numbers(in_memory)
+    assert _round_numbers(runs["again"][0]) == _round_numbers(in_memory)
     trained = [
         {c["client"] for c in r["per_client"] if "train_reply" in c["wire_bytes_by_kind"]}
         for r in in_memory["rounds"]

@@ -9,7 +9,9 @@ from fedcomp.codecs.wire import PayloadError
 
 #: Dithers are 16-bit: u = (k + 1/2) / 2^16. Stochastic rounding with them rounds up
 #: with probability round(2^16 f) / 2^16 instead of f, a bias of at most 2^-17 of one
-#: quantization step (documented; far below what any test or training can see).
+#: quantization step, 2^-16 where the scaled value is 128 or more (float32's spacing
+#: there is 2^-16: 8-bit uniform, QSGD from 64 levels). Documented; far below what any
+#: test or training can see.
 DITHER_BITS = 16
 
 
@@ -176,21 +178,23 @@ def chunks(flat: torch.Tensor, block: int):
         yield start // block, piece.view(-1, block)
 
 
-#: Block maxima within [2^-50, 2^50] (or 0) let sums of squares run in float32: the
-#: squares stay normal and a 2^20 block's sum stays below 2^120 (float32 max ~2^128).
-SAFE_LOW, SAFE_HIGH = 2.0**-50, 2.0**50
+#: Block maxima of at least 2^-50 (or 0) keep their squares normal in float32.
+SAFE_LOW = 2.0**-50
 
 
-def float32_safe(peak: torch.Tensor) -> bool:
-    """Whether blocks with these maxima of |x| can sum their squares in float32 (a NaN
-    or Inf maximum is not safe: the float64 path then carries it into the result)."""
-    return bool(((peak == 0) | ((peak >= SAFE_LOW) & (peak <= SAFE_HIGH))).all())
+def float32_safe(peak: torch.Tensor, size: int) -> bool:
+    """Whether blocks of ``size`` values with these maxima of |x| can sum their squares
+    in float32: squares normal (peak >= 2^-50 or 0) and the sum below 2^120 (float32's
+    max is about 2^128), so peak^2 size <= 2^120. A NaN or Inf maximum is not safe:
+    the float64 path then carries it into the result."""
+    high = 2.0 ** ((120 - max(size - 1, 0).bit_length()) / 2)
+    return bool(((peak == 0) | ((peak >= SAFE_LOW) & (peak <= high))).all())
 
 
 def row_norms(rows: torch.Tensor) -> torch.Tensor:
     """The L2 norm of each row (float64): summed in float32 when safe (the usual case,
     no copy), else in float64."""
-    if float32_safe(rows.abs().amax(1)):
+    if float32_safe(rows.abs().amax(1), rows.shape[1]):
         return torch.linalg.vecdot(rows, rows, dim=1).double().sqrt()
     wide = rows.double()
     return torch.linalg.vecdot(wide, wide, dim=1).sqrt()

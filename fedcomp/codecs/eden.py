@@ -141,7 +141,7 @@ def _working_precision(
     peak = magnitude.amax(1)
     if not bool(torch.isfinite(peak).all()):
         raise ValueError("eden: the update holds NaN or Inf values (or overflows when rotated)")
-    if float32_safe(peak):
+    if float32_safe(peak, rows.shape[1]):
         return rows, magnitude
     return rows.double(), magnitude.double()
 

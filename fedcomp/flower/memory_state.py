@@ -41,9 +41,12 @@ class MemoryState:
     def begin_round(self, ack_round: int, spec: str) -> dict[str, np.ndarray]:
         """Apply the server's acknowledgement; return the state to encode against.
 
-        A different codec spec than the stored one starts from a clean state.
+        A different codec spec than the stored one starts from a clean state, and so
+        does an ack of -1: the server has accepted no reply of this client in this run
+        (resumed runs keep their acks), so whatever is stored (a file left by another
+        run in a shared state directory) is not state the server agrees with.
         """
-        if spec != self.spec:
+        if spec != self.spec or ack_round < 0:
             self.spec, self.committed, self.version = spec, {}, 0
         elif self.pending_round != _NO_ROUND and ack_round == self.pending_round:
             self.committed, self.version = self.pending, self.pending_version

@@ -170,14 +170,14 @@ class CompressionMod:
             return call_next(msg, ctxt)  # not fedcomp's: untouched
         if is_identity_message(msg):  # first contact: answered here, no training
             return identity_reply(msg, ctxt, HANDLES)
-        if not self._in_context(msg) and not self._state_dir(msg):
-            return _precondition_error(
-                msg, "CompressionMod: state kept out of Context.state needs a state_dir"
-            )
         try:  # the run settings, when the instruction carries only their digest
             digest = restore_settings(msg.content, ctxt.state)
         except ValueError as exc:
             return _precondition_error(msg, f"CompressionMod: {exc}")
+        if not self._in_context(msg) and not self._state_dir(msg):  # on the restored config
+            return _precondition_error(
+                msg, "CompressionMod: state kept out of Context.state needs a state_dir"
+            )
         replica = self._take_downlink(msg, ctxt)
         if isinstance(replica, Message):  # the replica cannot be brought up to date
             return replica

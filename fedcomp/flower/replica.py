@@ -185,7 +185,9 @@ def rebuild_model(
         scales = {str(k): float(v) for k, v in dict(scales).items()}
         steps.append(Step(int(source), int(target), payloads, str(step_digest), scales))
     from_zero = steps[0].source == 0 if steps else version == 0
-    if replica.arrays is None and initial is not None and from_zero:  # version 0, built here
+    # Steps from version 0: the server believes this client holds nothing, so a held
+    # replica (e.g. a file another run left in a shared state directory) is not used.
+    if initial is not None and from_zero:  # version 0, built here
         arrays = {k: np.asarray(v) for k, v in initial().items()}
         replica = Replica(arrays, 0, checksum(arrays))  # the final checksum vouches
     new = replica.take_steps(steps, version, digest)
