@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from fedcomp.codecs import PayloadError, codec_names, decode_bytes, make_codec
 from fedcomp.codecs.packing import (
+    BitWriter,
     decode_varints,
     encode_varints,
     pack_bits,
@@ -325,11 +326,12 @@ def test_bad_parameters_are_rejected_at_construction(name: str, params: dict, ne
         make_codec(name, **params)
 
 
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 @pytest.mark.parametrize("key", [k for k in sorted(SPECS) if k not in ("fp32", "fp16", "bf16")])
-def test_nan_updates_are_refused_at_encode(key: str) -> None:
+def test_nan_updates_are_refused_at_encode(key: str, bad: float) -> None:
     x = torch.randn(10)
-    x[3] = math.nan
-    with pytest.raises(ValueError, match="NaN"):
+    x[3] = bad
+    with pytest.raises(ValueError, match="NaN or Inf"):
         _codec(key).encode(x, seed=0)
 
 
@@ -365,6 +367,35 @@ def test_bit_packing_roundtrip(bits: int, values: list[int]) -> None:
     stream = "".join(format(int(c), f"0{bits}b") for c in codes)
     stream += "0" * (-len(stream) % 8)
     assert buf == bytes(int(stream[i : i + 8], 2) for i in range(0, len(stream), 8))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 8), st.lists(st.integers(0, 40), max_size=8), st.integers(0, 2**32))
+def test_bit_writer_fed_in_pieces_equals_one_pack(bits: int, lengths: list[int], seed: int) -> None:
+    """Pieces of any length (rests of fewer than eight codes carried to the next)."""
+    rng = np.random.default_rng(seed)
+    pieces = [rng.integers(0, 1 << bits, n).astype(np.uint8) for n in lengths]
+    writer = BitWriter(bits)
+    for piece in pieces:
+        writer.add(piece)
+    whole = np.concatenate([np.zeros(0, np.uint8), *pieces])
+    assert writer.finish() == pack_bits(whole, bits)
+
+
+def test_qsgd_over_many_chunks_stays_on_its_grid_within_one_step() -> None:
+    """600,000 coordinates in blocks of 1,020: several 2^18-coordinate chunks whose code
+    counts are not multiples of eight (6-bit codes carried between chunks). Every value
+    decodes to a multiple of its block's norm / levels, within one such step of x."""
+    levels, block, n = 16, 1020, 600_000
+    x = torch.randn(n, generator=torch.Generator().manual_seed(4), dtype=torch.float64).float()
+    y = decode_bytes(bytes(make_codec("qsgd", levels=levels, block=block).encode(x, seed=9)))
+    pad = (-n) % block
+    xb = torch.cat([x, torch.zeros(pad)]).double().view(-1, block)
+    yb = torch.cat([y, torch.zeros(pad)]).double().view(-1, block)
+    step = xb.norm(dim=1, keepdim=True) / levels
+    k = yb / step
+    assert float((k - k.round()).abs().max()) < 1e-3  # on the grid
+    assert bool(((yb - xb).abs() <= step * (1 + 1e-5)).all())  # within one step
 
 
 @settings(max_examples=200, deadline=None)

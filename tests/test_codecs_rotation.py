@@ -258,3 +258,43 @@ def test_a_rotated_payload_with_a_mismatched_inner_length_is_a_payload_error() -
     head = len(outer) - (len(outer) - (16 + 4 + 8))
     with pytest.raises(PayloadError, match="inner payload"):
         decode_bytes(outer[:head] + small)
+
+
+def _reference_rotation(x: np.ndarray, seed: int, block: int, rotations: int) -> np.ndarray:
+    """R x in float64 from the documented definition, independently of the code's
+    pieces and Kronecker factors: zero-pad, then per rotation r flip the signs where
+    the Philox(key=seed + r) bit stream (MSB first) has a 1 and multiply each block by
+    the dense orthonormal Hadamard matrix."""
+    sizes = block_sizes(x.size, block)
+    y = np.zeros(sum(sizes))
+    y[: x.size] = x
+    for r in range(rotations):
+        gen = np.random.Generator(np.random.Philox(key=seed + r))
+        bits = np.unpackbits(np.frombuffer(gen.bytes((y.size + 7) // 8), np.uint8))[: y.size]
+        y = np.where(bits == 1, -y, y)
+        out, start = np.empty_like(y), 0
+        for size in sorted(set(sizes), reverse=True):
+            count = sizes.count(size)
+            rows = y[start : start + size * count].reshape(count, size)
+            out[start : start + size * count] = (rows @ _sylvester(size)).reshape(-1)
+            start += size * count
+        y = out
+    return y
+
+
+@pytest.mark.parametrize(
+    ("numel", "block", "rotations"),
+    [((1 << 19) + 3001, 1024, 1), ((1 << 19) + 3001, 1024, 2), ((1 << 18) + 777, 8192, 1)],
+)
+def test_rotation_over_several_pieces_equals_the_dense_definition(
+    numel: int, block: int, rotations: int
+) -> None:
+    """More coordinates than one cache-sized piece (2^18), with the padded tail, and a
+    block above the two-factor size (4096): the rotation equals the definition computed
+    densely in float64, and its inverse gives x back."""
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(7))
+    y = rotate(x, seed=21, block=block, rotations=rotations)
+    want = _reference_rotation(x.double().numpy(), 21, block, rotations)
+    assert np.abs(y.double().numpy() - want).max() < 1e-4
+    back = unrotate(y, numel=numel, seed=21, block=block, rotations=rotations)
+    assert float((back - x).abs().max()) < 1e-4
