@@ -59,10 +59,7 @@ def check_round_memory(
         "on disk with aggregation.mirror_dir=<dir>; or sample fewer clients "
         "(fraction_train)"
     )
-    if need > available:
-        raise RoundMemoryError(message)
-    if need > WARN_FRACTION * available:
-        log.warning("%s", message)
+    _refuse_or_warn(need, available, message)
     return need
 
 
@@ -88,8 +85,13 @@ def check_client_state(clients: int, model_bytes: int, copies: int, available: i
         f"{available / 1e9:.2f} GB available: set client_state=disk (with "
         "client_state_dir=<dir>) to keep it in files instead"
     )
+    _refuse_or_warn(need, available, message)
+    return need
+
+
+def _refuse_or_warn(need: int, available: int, message: str) -> None:
+    """Raise above the available memory, warn above WARN_FRACTION of it."""
     if need > available:
         raise RoundMemoryError(message)
     if need > WARN_FRACTION * available:
         log.warning("%s", message)
-    return need
