@@ -227,7 +227,7 @@ class Rotation:
 
 
 def rotation_for(numel: int, *, seed: int, block: int, rotations: int) -> Rotation:
-    """The rotation of a tensor of ``numel`` coordinates (its masks drawn here)."""
+    """The rotation of a tensor of ``numel`` coordinates (its signs drawn here)."""
     runs = block_runs(numel, block)
     padded = padded_length(numel, block)
     signs = [_sign_bytes(seed, r, padded) for r in range(rotations)]
