@@ -1,9 +1,10 @@
-"""The run-sum decoder: run boundaries, prefix sums, and the estimate it gives.
+"""The run-sum decoders: run boundaries, prefix sums, and the estimate they give.
 
-The one-bit decoder sums each query's answers from prefix sums over cyclic runs of
-clients instead of visiting every answer (fedcomp/onebit/ranges.py). These tests hold
-it to the per-answer decoder (fedcomp/onebit/decode.py), which still serves median of
-means.
+The one-bit decoder sums each query's answers over cyclic runs of clients instead of
+visiting every answer: from prefix sums in NumPy (fedcomp/onebit/decode_runs.py), or
+slot by slot in compiled code (fedcomp/onebit/decode_compiled.py, when Numba is
+installed). These tests hold both to the per-answer decoder (fedcomp/onebit/decode.py),
+which still serves median of means.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from fedcomp.onebit import OneBitCode
+from fedcomp.onebit import OneBitCode, decode_compiled
 from fedcomp.onebit import code as onebit_code
-from fedcomp.onebit.decode import decode_joint
+from fedcomp.onebit.decode import decode_joint, localize
+from fedcomp.onebit.decode_runs import decode_runs
 from fedcomp.onebit.public import SlotLookup, client_slots, coordinate_draws
 from fedcomp.onebit.queries import build_query_set, make_geometry
 from fedcomp.onebit.ranges import ClientPrefix, run_starts, weight_runs
@@ -71,31 +73,37 @@ def test_prefix_runs_equal_the_sum_over_each_runs_clients(b):
     np.testing.assert_allclose(got_w, want_w, rtol=1e-12, atol=1e-12)
 
 
-def _both(code, x, *, n, indices, weights=None, side=None, seed=3):
+#: The decoders of one group: the per-answer reference first.
+DECODERS = {"per-answer": decode_joint, "numpy runs": decode_runs}
+if decode_compiled.installed():
+    DECODERS["compiled"] = decode_compiled.decode_compiled
+
+
+def _all(code, x, *, n, indices, weights=None, side=None, seed=3):
+    """Every decoder's (mean, diagnostics) on the same replies, reference first."""
     payloads = [
         bytes(
             code.encode(torch.from_numpy(x[r]), client_index=i, num_clients=n, seed=seed, tau=1.0)
         )
         for r, i in enumerate(indices)
     ]
-
-    def decode():
-        return code.decode(
-            payloads,
-            client_indices=list(indices),
-            num_clients=n,
-            seed=seed,
-            tau=1.0,
-            shape=(x.shape[1],),
-            weights=weights,
-            side_center=side,
-        )
-
-    fast = decode()
-    with pytest.MonkeyPatch.context() as patch:  # the per-answer decoder, one group
-        patch.setattr(onebit_code, "decode_runs", decode_joint)
-        reference = decode()
-    return [reference, fast]
+    results = []
+    for decoder in DECODERS.values():
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(onebit_code, "decode_one_group", decoder)
+            results.append(
+                code.decode(
+                    payloads,
+                    client_indices=list(indices),
+                    num_clients=n,
+                    seed=seed,
+                    tau=1.0,
+                    shape=(x.shape[1],),
+                    weights=weights,
+                    side_center=side,
+                )
+            )
+    return results
 
 
 @pytest.mark.parametrize(
@@ -115,11 +123,14 @@ def test_run_sums_give_the_per_answer_decoders_estimate_bit_for_bit(n, b, center
     indices = sorted(rng.choice(n, n - missing, replace=False))
     code = OneBitCode(bits=b, lam=100.0, center=center, refine=refine)
     side = np.full(d, 38.0) if center == "previous" else None
-    (old, r_old), (new, r_new) = _both(code, x[indices], n=n, indices=indices, side=side)
-    # Unit weights: every sum is an integer count until the same final products.
-    assert torch.equal(old, new)
-    np.testing.assert_array_equal(r_old.center, r_new.center)
-    assert r_old.stopped_early == r_new.stopped_early
+    (old, r_old), *others = _all(code, x[indices], n=n, indices=indices, side=side)
+    assert len(others) == len(DECODERS) - 1
+    for new, r_new in others:
+        # Unit weights: every sum is an integer count until the same final products.
+        assert torch.equal(old, new)
+        np.testing.assert_array_equal(r_old.mean, r_new.mean)
+        np.testing.assert_array_equal(r_old.center, r_new.center)
+        assert r_old.stopped_early == r_new.stopped_early
 
 
 def test_run_sums_with_client_weights_agree_to_rounding():
@@ -130,8 +141,82 @@ def test_run_sums_with_client_weights_agree_to_rounding():
     weights = list(rng.uniform(0.5, 4, 40))
     weights[3] = 0.0  # a weightless reply still votes for the center
     code = OneBitCode(bits=1, lam=100.0)
-    (old, r_old), (new, r_new) = _both(code, x[:40], n=n, indices=indices, weights=weights)
-    np.testing.assert_array_equal(r_old.center, r_new.center)
-    # Different summation orders of the same float64 terms: the estimates agree to
-    # a few ulps of the terms (|terms| <= L_J / pi_q * w), far below one tau.
-    np.testing.assert_allclose(new.numpy(), old.numpy(), rtol=0, atol=1e-5)
+    (old, r_old), *others = _all(code, x[:40], n=n, indices=indices, weights=weights)
+    for new, r_new in others:
+        np.testing.assert_array_equal(r_old.center, r_new.center)
+        # Different summation orders of the same float64 terms: the estimates agree
+        # to a few ulps of the terms (|terms| <= L_J / pi_q * w), far below one tau.
+        np.testing.assert_allclose(new.numpy(), old.numpy(), rtol=0, atol=1e-5)
+
+
+@pytest.mark.skipif(not decode_compiled.installed(), reason="the compiled decoder needs numba")
+def test_compiled_decoder_computes_many_votes_in_place_to_the_last_bit_of_arctan2():
+    # 34 votes per LOC query exceed the vote table (VOTE_TABLE_SIDE): the compiled
+    # decoder then takes the C library's arctan2, which may differ from NumPy's
+    # vectorized one in the last bit; the centers, hence the means, differ by at
+    # most a few ulps of the largest period.
+    n, d = 500, 1500
+    rng = np.random.default_rng(4)
+    x = (5 + rng.standard_t(3, (n, d))).astype(np.float32)
+    code = OneBitCode(bits=1, lam=10.0, loc_votes=34.0)
+    qs = code.query_set(np.ones(1), n)
+    assert qs.counts[: qs.num_loc].min() > decode_compiled.VOTE_TABLE_SIDE
+    decoders = list(DECODERS)
+    (_, r_old), *others = _all(code, x, n=n, indices=range(n))
+    tolerance = 4 * np.spacing(max(qs.geometry.periods))
+    for name, (_, r_new) in zip(decoders[1:], others, strict=True):
+        assert r_old.stopped_early == r_new.stopped_early
+        if name == "compiled":
+            np.testing.assert_allclose(r_new.center, r_old.center, rtol=0, atol=tolerance)
+            np.testing.assert_allclose(r_new.mean, r_old.mean, rtol=0, atol=tolerance)
+        else:
+            np.testing.assert_array_equal(r_new.mean, r_old.mean)
+
+
+def test_vote_table_is_the_numpy_localizers_snap():
+    # The table replaces the arctan2 of decode.localize: each entry is the fraction
+    # of the period that localize snaps a coordinate with those votes to.
+    side, period = 7, 64.0
+    table = decode_compiled.vote_table(side, 0.3)
+    for ones0, n0, ones1, n1 in [(0, 1, 1, 1), (3, 5, 1, 4), (2, 4, 2, 4), (6, 6, 0, 5)]:
+        sums = np.array([[ones0], [ones1]])
+        counts = np.array([[n0], [n1]])
+        center, stopped = localize(sums, counts, np.zeros(1), (period,), 0.3)
+        entry = table[((ones0 * side + n0) * side + ones1) * side + n1]
+        if stopped[0]:
+            assert np.isnan(entry)
+        else:
+            # localize snaps the start 0 to the copy of y nearest it: y or y - P.
+            y = period * entry
+            assert center[0] == y + period * np.round((0 - y) / period)
+    assert np.isnan(table[((3 * side + 2) * side + 1) * side + 1])  # 3 ones of 2 answers
+
+
+def test_decoder_choice_falls_back_to_numpy_where_the_compiled_one_cannot_run(monkeypatch):
+    code = OneBitCode(bits=1, lam=100.0)
+    qs = code.query_set(np.ones(1), 10)
+    # A scale that is not a power of two would make its remainders inexact.
+    odd = OneBitCode(bits=1, lam=100.0, a0=6.0).query_set(np.ones(1), 10)
+    assert not decode_compiled.available(odd)
+    assert decode_compiled.available(qs) == decode_compiled.installed()
+    monkeypatch.setitem(decode_compiled._STATE, "numba", None)  # as without the fast extra
+    assert not decode_compiled.available(qs)
+    with pytest.raises(RuntimeError, match="numba"):
+        decode_compiled.decode_compiled(
+            None, qs, numel=1, seed=0, start=None, localize_center=True, min_resultant=0.3
+        )
+    rng = np.random.default_rng(0)
+    x = (5 + rng.standard_t(3, (10, 400))).astype(np.float32)
+    payloads = [
+        code.encode(torch.from_numpy(x[i]), client_index=i, num_clients=10, seed=1, tau=1.0)
+        for i in range(10)
+    ]
+    got = code.decode_mean(
+        payloads, client_indices=list(range(10)), num_clients=10, seed=1, tau=1.0
+    )
+    with monkeypatch.context() as patch:
+        patch.setattr(onebit_code, "decode_one_group", decode_runs)
+        want = code.decode_mean(
+            payloads, client_indices=list(range(10)), num_clients=10, seed=1, tau=1.0
+        )
+    assert torch.equal(got, want)

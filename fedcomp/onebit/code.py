@@ -43,6 +43,8 @@ from fedcomp.codecs.wire import (
 )
 from fedcomp.onebit.bits import encode_bits
 from fedcomp.onebit.decode import JointDecode, Received, decode_joint
+from fedcomp.onebit.decode_compiled import available as compiled_available
+from fedcomp.onebit.decode_compiled import decode_compiled
 from fedcomp.onebit.decode_runs import decode_runs
 from fedcomp.onebit.queries import CENTERS, REFINES, QuerySet, build_query_set, make_geometry
 
@@ -85,6 +87,15 @@ def block_spreads(x: np.ndarray, block: int, reference: np.ndarray | None) -> np
         ref = np.median(part) if reference is None else reference[i * block : (i + 1) * block]
         out[i] = MAD_TO_SIGMA * np.median(np.abs(part - ref)) if part.size else 0.0
     return out
+
+
+def decode_one_group(received: Received, qs: QuerySet, **common) -> JointDecode:
+    """The plain weighted mean (one group): the compiled decoder where it can run
+    (Numba installed, power-of-two scales), else the NumPy run-sum decoder; both
+    give the same estimate (tested to the last bit with equal weights)."""
+    if compiled_available(qs):
+        return decode_compiled(received, qs, **common)
+    return decode_runs(received, qs, **common)
 
 
 @dataclass(frozen=True)
@@ -282,8 +293,12 @@ class OneBitCode:
         seed: int,
         tau: float | Sequence[float] | np.ndarray,
         shape: Sequence[int],
+        digest: int | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Validate one reply against the public plan.
+
+        ``digest`` is :meth:`digest` of the plan when the caller has it (it is the same
+        for every reply of a round; computed here otherwise).
 
         Returns
         -------
@@ -310,6 +325,7 @@ class OneBitCode:
         body = memoryview(parsed.body)
         if len(body) < _BODY.size:
             raise PayloadError(f"truncated onebit payload: {len(body)} body bytes")
+        expected_digest = digest
         fmt, bits, center, refine, index, n, block, digest = _BODY.unpack_from(body, 0)
         taus = self.block_taus(tau, numel)
         expected = {
@@ -320,7 +336,10 @@ class OneBitCode:
             "client index": (index, client_index),
             "client count": (n, num_clients),
             "block": (block, self.block),
-            "public parameter digest": (digest, self.digest(taus, num_clients)),
+            "public parameter digest": (
+                digest,
+                self.digest(taus, num_clients) if expected_digest is None else expected_digest,
+            ),
         }
         for what, (got, want) in expected.items():
             check_field("onebit", what, got, want)
@@ -361,9 +380,16 @@ class OneBitCode:
             raise ValueError("onebit: weights must be one finite number per payload")
         if np.any(weights_arr < 0) or weights_arr.sum() <= 0:
             raise ValueError("onebit: weights must be >= 0 with a positive sum")
+        digest = self.digest(taus, num_clients)
         packed = [
             self.check(
-                p, client_index=i, num_clients=num_clients, seed=seed, tau=taus, shape=shape
+                p,
+                client_index=i,
+                num_clients=num_clients,
+                seed=seed,
+                tau=taus,
+                shape=shape,
+                digest=digest,
             )[0]
             for p, i in zip(payloads, client_indices, strict=True)
         ]
@@ -387,7 +413,7 @@ class OneBitCode:
             "min_resultant": self.min_resultant,
         }
         if self.groups == 1 or len(packed) == 1:
-            result = decode_runs(received, qs, **common)
+            result = decode_one_group(received, qs, **common)
         else:
             result = decode_joint(received, qs, groups=self.groups, **common)
         if not np.all(np.isfinite(result.mean)):
