@@ -58,6 +58,15 @@ SPECS = [
 RUN_SEED, ROUND, CLIENT, NAME = 3, 2, 5, "w"
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _compiled_onebit_decoder():
+    """Load (or compile) the one-bit decoder before any memory cap: its compiler needs
+    about 1 GB of address space, and under the cap the NumPy decoder would run."""
+    code, payload = _onebit()
+    plan = {k: v for k, v in _PLAN.items() if k != "client_index"}
+    code.decode_mean([payload], client_indices=[1], **plan)
+
+
 @pytest.fixture(autouse=True)
 def _memory_cap():
     with address_space_cap(HEADROOM):

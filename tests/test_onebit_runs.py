@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from experiments.memory import address_space_cap
 from fedcomp.onebit import OneBitCode, decode_compiled
 from fedcomp.onebit import code as onebit_code
 from fedcomp.onebit.decode import decode_joint, localize
@@ -124,7 +125,6 @@ def test_run_sums_give_the_per_answer_decoders_estimate_bit_for_bit(n, b, center
     code = OneBitCode(bits=b, lam=100.0, center=center, refine=refine)
     side = np.full(d, 38.0) if center == "previous" else None
     (old, r_old), *others = _all(code, x[indices], n=n, indices=indices, side=side)
-    assert len(others) == len(DECODERS) - 1
     for new, r_new in others:
         # Unit weights: every sum is an integer count until the same final products.
         assert torch.equal(old, new)
@@ -192,12 +192,46 @@ def test_vote_table_is_the_numpy_localizers_snap():
     assert np.isnan(table[((3 * side + 2) * side + 1) * side + 1])  # 3 ones of 2 answers
 
 
+@pytest.mark.skipif(not decode_compiled.installed(), reason="the compiled decoder needs numba")
+@pytest.mark.parametrize("b,missing", [(1, 0), (3, 4)])
+def test_compiled_decoder_over_many_chunks_equals_the_reference(monkeypatch, b, missing):
+    # Chunks of 1,024 coordinates: the chunk offsets, their bytes and their public
+    # draws (positions first + i) are all exercised, with a ragged last chunk.
+    monkeypatch.setattr(decode_compiled, "COMPILED_CHUNK_BYTES", 1)
+    n, d = 12, 4 * 1024 + 77
+    rng = np.random.default_rng(b)
+    x = (7 + rng.standard_t(3, (n, d))).astype(np.float32)
+    indices = sorted(rng.choice(n, n - missing, replace=False))
+    code = OneBitCode(bits=b, lam=100.0)
+    (old, r_old), *others = _all(code, x[indices], n=n, indices=indices)
+    (new, r_new) = others[list(DECODERS).index("compiled") - 1]
+    assert torch.equal(old, new)
+    np.testing.assert_array_equal(r_old.center, r_new.center)
+
+
 def test_decoder_choice_falls_back_to_numpy_where_the_compiled_one_cannot_run(monkeypatch):
+    rng = np.random.default_rng(0)
+    x = (5 + rng.standard_t(3, (10, 400))).astype(np.float32)
+
+    def decode(code):
+        payloads = [
+            code.encode(torch.from_numpy(x[i]), client_index=i, num_clients=10, seed=1, tau=1.0)
+            for i in range(10)
+        ]
+        kwargs = {"client_indices": list(range(10)), "num_clients": 10, "seed": 1, "tau": 1.0}
+        chosen = code.decode_mean(payloads, **kwargs)
+        with monkeypatch.context() as patch:
+            patch.setattr(onebit_code, "decode_one_group", decode_joint)
+            return chosen, code.decode_mean(payloads, **kwargs)
+
+    # A scale that is not a power of two would make the compiled remainders inexact:
+    # the NumPy decoder runs, and gives the per-answer decoder's estimate.
+    odd = OneBitCode(bits=1, lam=100.0, a0=6.0)
+    assert not decode_compiled.available(odd.query_set(np.ones(1), 10))
+    got, want = decode(odd)
+    assert torch.equal(got, want)
     code = OneBitCode(bits=1, lam=100.0)
     qs = code.query_set(np.ones(1), 10)
-    # A scale that is not a power of two would make its remainders inexact.
-    odd = OneBitCode(bits=1, lam=100.0, a0=6.0).query_set(np.ones(1), 10)
-    assert not decode_compiled.available(odd)
     assert decode_compiled.available(qs) == decode_compiled.installed()
     monkeypatch.setitem(decode_compiled._STATE, "numba", None)  # as without the fast extra
     assert not decode_compiled.available(qs)
@@ -205,18 +239,17 @@ def test_decoder_choice_falls_back_to_numpy_where_the_compiled_one_cannot_run(mo
         decode_compiled.decode_compiled(
             None, qs, numel=1, seed=0, start=None, localize_center=True, min_resultant=0.3
         )
-    rng = np.random.default_rng(0)
-    x = (5 + rng.standard_t(3, (10, 400))).astype(np.float32)
-    payloads = [
-        code.encode(torch.from_numpy(x[i]), client_index=i, num_clients=10, seed=1, tau=1.0)
-        for i in range(10)
-    ]
-    got = code.decode_mean(
-        payloads, client_indices=list(range(10)), num_clients=10, seed=1, tau=1.0
-    )
-    with monkeypatch.context() as patch:
-        patch.setattr(onebit_code, "decode_one_group", decode_runs)
-        want = code.decode_mean(
-            payloads, client_indices=list(range(10)), num_clients=10, seed=1, tau=1.0
-        )
+    got, want = decode(code)
     assert torch.equal(got, want)
+
+
+def test_no_compilation_under_a_tight_address_space_limit(monkeypatch, caplog):
+    # Numba's compiler never finishes with 256 MB of address space left (measured):
+    # under such a ulimit -v the NumPy decoder runs instead, with a warning.
+    qs = OneBitCode(bits=1, lam=100.0).query_set(np.ones(1), 10)
+    monkeypatch.delitem(decode_compiled._STATE, "kernel", raising=False)
+    monkeypatch.delitem(decode_compiled._STATE, "warned", raising=False)
+    with address_space_cap(64 << 20):
+        assert not decode_compiled.available(qs)
+    assert "address-space limit" in caplog.text
+    assert decode_compiled.available(qs) == decode_compiled.installed()

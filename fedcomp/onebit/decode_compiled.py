@@ -28,29 +28,33 @@ query set whose scales are not powers of two, :func:`available` is False and
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
+import threading
 from typing import Any
 
 import numpy as np
 import torch
 
+from fedcomp.onebit import public, queries
 from fedcomp.onebit.decode import JointDecode, Received, coefficient_table, used_queries
 from fedcomp.onebit.public import (
-    _GOLDEN,
-    _M1,
-    _M2,
     STREAM_OFFSET,
     STREAM_SHIFT,
     STREAM_SLOT,
     SlotLookup,
     stream_key,
 )
-from fedcomp.onebit.queries import KIND_SREF, QuerySet
+from fedcomp.onebit.queries import QuerySet
+
+logger = logging.getLogger(__name__)
 
 #: Numba, imported on first use (:func:`installed`); the kernel bodies name it.
 numba: Any = None
 #: The import attempt and the compiled kernel, once made.
 _STATE: dict[str, Any] = {}
+_LOCK = threading.Lock()
 
 #: Largest answers per LOC query + 1 tabulated (32^4 entries, 8 MB at most; the
 #: default 20 votes per query need 23^4): more votes compute their arctan2 in place.
@@ -75,10 +79,42 @@ def installed() -> bool:
 
 
 def available(qs: QuerySet) -> bool:
-    """Whether the compiled decoder can decode this query set: Numba is installed and
-    the scales are powers of two (``a0`` one, as the default 8), so that every
-    remainder it takes is exact (:func:`_mod`)."""
-    return installed() and _exact_inverse(qs.geometry.base) > 0
+    """Whether the compiled decoder can decode this query set: Numba is installed, the
+    scales are powers of two (``a0`` one, as the default 8), so that every remainder
+    it takes is exact (:func:`_mod`), and it is compiled or can be (:func:`_can_compile`)."""
+    if not (installed() and _exact_inverse(qs.geometry.base) > 0):
+        return False
+    return "kernel" in _STATE or _can_compile()
+
+
+#: Address space the first compilation needs: measured, the kernel compiles in 9 s
+#: with 1 GB of headroom under an address-space limit, and Numba's compiler does not
+#: finish at all with 256 MB.
+COMPILE_ADDRESS_SPACE = 1 << 30
+
+
+def _can_compile() -> bool:
+    """False, with a warning, when an address-space limit (``ulimit -v``) leaves less
+    than :data:`COMPILE_ADDRESS_SPACE` to this process: compiling would hang."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        with open("/proc/self/statm") as statm:
+            used = int(statm.read().split()[0]) * resource.getpagesize()
+    except (ImportError, OSError, ValueError):  # not Linux: no such limit to honour
+        return True
+    if soft == resource.RLIM_INFINITY or soft - used >= COMPILE_ADDRESS_SPACE:
+        return True
+    if not _STATE.get("warned"):
+        _STATE["warned"] = True
+        logger.warning(
+            "onebit: the address-space limit leaves %d MB, the compiled decoder needs %d MB"
+            " to compile: decoding with NumPy (about 6x slower)",
+            max(0, soft - used) >> 20,
+            COMPILE_ADDRESS_SPACE >> 20,
+        )
+    return False
 
 
 #: The helpers the kernel inlines; :func:`_kernel` compiles them in place.
@@ -100,20 +136,46 @@ def _kernel() -> Any:
     """:func:`_decode_chunk` compiled (on the first call in a process; later processes
     load it from Numba's on-disk cache). The helpers are compiled first and replace
     their Python definitions here, which is what the kernel then calls."""
-    if "kernel" not in _STATE:
-        global numba
-        numba = _STATE["numba"]
-        # error_model="numpy": a division by zero gives inf/nan as in NumPy, with no
-        # ZeroDivisionError check in every loop.
-        jit = {"cache": True, "error_model": "numpy"}
-        names = globals()
-        for name in _INLINED:
-            names[name] = numba.njit(inline="always", **jit)(names[name])
-        names["_vote_angle"] = numba.njit(**jit)(names["_vote_angle"])
-        _STATE["kernel"] = numba.njit(parallel=True, **jit)(_decode_chunk)
+    with _LOCK:  # two first decodes at once would compile the helpers twice
+        if "kernel" not in _STATE:
+            global numba
+            numba = _STATE["numba"]
+            _STATE["kernel"] = _compile()
     return _STATE["kernel"]
 
 
+def _compile() -> Any:
+    """Decorate the helpers and the kernel, with Numba's on-disk cache where it finds a
+    writable place for it (else compiled in every process, with a warning)."""
+    names = globals()
+    python = {name: names[name] for name in (*_INLINED, "_vote_angle", "_decode_chunk")}
+    for cache in (True, False):
+        # error_model="numpy": a division by zero gives inf/nan as in NumPy, with no
+        # ZeroDivisionError check in every loop.
+        jit = {"cache": cache, "error_model": "numpy"}
+        try:
+            compiled = {name: numba.njit(inline="always", **jit)(python[name]) for name in _INLINED}
+            compiled["_vote_angle"] = numba.njit(**jit)(python["_vote_angle"])
+            kernel = numba.njit(parallel=True, **jit)(python["_decode_chunk"])
+        except RuntimeError as exc:  # "cannot cache function ...: no locator available"
+            if not cache:
+                raise
+            logger.warning("onebit: no cache for the compiled decoder (%s): compiling it", exc)
+            continue
+        names.update(compiled)
+        return kernel
+    raise AssertionError("unreachable")
+
+
+#: public.py's hash constants and queries.py's SREF kind, restated: Numba's on-disk
+#: cache is keyed on this file only, so a change there must be made here too (checked
+#: at import), or a cached kernel would keep the old values.
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+KIND_SREF = 3
+if (_GOLDEN, _M1, _M2, KIND_SREF) != (public._GOLDEN, public._M1, public._M2, queries.KIND_SREF):
+    raise ImportError("fedcomp.onebit.decode_compiled: restate public.py's hash constants here")
 _S30, _S27, _S31, _S11 = (np.uint64(s) for s in (30, 27, 31, 11))
 _ONE = np.uint64(1)
 _TO_UNIT = 2.0**-53
@@ -133,8 +195,10 @@ def _unit(key, counter):
 def _mod(a, b, inv):
     """``np.mod(a, b)`` to the last bit, for a power-of-two b with ``inv = 1 / b``:
     ``a * inv`` and ``floor(.) * b`` are exact, so ``a - floor(a / b) b`` is the
-    exact remainder rounded once, as NumPy's fmod-then-adjust. (An fmod fallback in
-    a branch is not an option: LLVM evaluates it on both sides of the branch.)"""
+    exact remainder rounded once, as NumPy's fmod-then-adjust. Not for a subnormal
+    ``a * inv`` or an overflowing ``floor(.) * b`` (values no decoder meets: centers
+    and scales are within a few orders of magnitude of 1 in units of tau). An fmod
+    fallback in a branch is not an option: LLVM evaluates it on both sides."""
     return a - np.floor(a * inv) * b
 
 
@@ -347,6 +411,7 @@ def _decode_chunk(
         stopped[i] = not finished
 
 
+@functools.lru_cache(maxsize=8)
 def vote_table(side: int, min_resultant: float) -> np.ndarray:
     """Every level's vote with fewer than ``side`` answers per LOC query, as the
     fraction of the period :func:`fedcomp.onebit.decode.localize` snaps to (NaN: no
@@ -354,7 +419,7 @@ def vote_table(side: int, min_resultant: float) -> np.ndarray:
 
     Votes are small counts, so a level's arctan2 becomes a lookup. The table is
     computed with NumPy and the same operations as ``localize``, so the compiled
-    decoder's centers are NumPy's to the last bit.
+    decoder's centers are NumPy's to the last bit. Cached (19 ms at side 23).
     """
     ones0, n0, ones1, n1 = np.meshgrid(*[np.arange(side)] * 4, indexing="ij")
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -363,7 +428,9 @@ def vote_table(side: int, min_resultant: float) -> np.ndarray:
         angle = np.mod(np.arctan2(sin_part, cos_part) / (2 * np.pi), 1.0)
         informative = np.hypot(sin_part, cos_part) >= min_resultant
     valid = (ones0 <= n0) & (ones1 <= n1) & (n0 > 0) & (n1 > 0) & informative
-    return np.where(valid, angle, np.nan).reshape(-1)
+    table = np.where(valid, angle, np.nan).reshape(-1)
+    table.flags.writeable = False  # cached: the same table serves every tensor and round
+    return table
 
 
 def _plan(qs: QuerySet) -> tuple:
