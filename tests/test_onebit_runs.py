@@ -253,3 +253,21 @@ def test_no_compilation_under_a_tight_address_space_limit(monkeypatch, caplog):
         assert not decode_compiled.available(qs)
     assert "address-space limit" in caplog.text
     assert decode_compiled.available(qs) == decode_compiled.installed()
+
+
+@pytest.mark.skipif(not decode_compiled.installed(), reason="the compiled decoder needs numba")
+def test_the_compiled_decoder_leaves_torchs_thread_count_alone():
+    # Numba's OpenMP layer shares libgomp with torch: starting it reset torch's thread
+    # count (1 read back as 2). The decoder uses Numba's own thread pool instead.
+    code = OneBitCode(bits=1, lam=100.0)
+    x = np.random.default_rng(0).standard_normal((4, 3000)).astype(np.float32)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        (_, reference), *others = _all(code, x, n=4, indices=range(4))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    assert decode_compiled.numba.threading_layer() == "workqueue"
+    for _, result in others:
+        np.testing.assert_array_equal(result.mean, reference.mean)

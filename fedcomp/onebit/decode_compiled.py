@@ -55,6 +55,8 @@ numba: Any = None
 #: The import attempt and the compiled kernel, once made.
 _STATE: dict[str, Any] = {}
 _LOCK = threading.Lock()
+#: The workqueue threading layer runs one parallel region at a time per process.
+_RUN_LOCK = threading.Lock()
 
 #: Largest answers per LOC query + 1 tabulated (32^4 entries, 8 MB at most; the
 #: default 20 votes per query need 23^4): more votes compute their arctan2 in place.
@@ -140,6 +142,11 @@ def _kernel() -> Any:
         if "kernel" not in _STATE:
             global numba
             numba = _STATE["numba"]
+            # Numba's own thread pool, not OpenMP: its OpenMP layer shares libgomp with
+            # torch, and starting it reset torch's thread count (set to 1, read back 2:
+            # measured) and ignored numba.set_num_threads. No effect if the process has
+            # already started Numba's threads.
+            numba.config.THREADING_LAYER = "workqueue"
             _STATE["kernel"] = _compile()
     return _STATE["kernel"]
 
@@ -480,6 +487,20 @@ def _query_table(qs: QuerySet) -> np.ndarray:
     return np.ascontiguousarray(np.stack([*columns, np.array(inverse), np.array(sref)], 1))
 
 
+def _clients(received: Received, n: int) -> tuple:
+    """Per reply its weight; whether they differ; per client (of n) whether it replied
+    and its weight (1 for each reply when they are equal: counts stay integers); and
+    the total weight, summed as the per-answer decoder's group weight, to the last bit."""
+    weights = np.asarray(received.weights, np.float64)
+    weighted = not bool(np.all(weights == weights[0]))
+    replied = np.zeros(n, np.int32)
+    replied[received.client_indices] = 1
+    client_weight = np.zeros(n)
+    client_weight[received.client_indices] = weights if weighted else 1.0
+    total_weight = float(np.bincount(np.zeros(weights.size, int), weights)[0])
+    return weights, weighted, replied, client_weight, total_weight
+
+
 def decode_compiled(
     received: Received,
     qs: QuerySet,
@@ -498,14 +519,7 @@ def decode_compiled(
             f" power-of-two a0, got a0={qs.geometry.base}"
         )
     n, b = qs.num_clients, qs.bits
-    weights = np.asarray(received.weights, np.float64)
-    weighted = not bool(np.all(weights == weights[0]))
-    replied = np.zeros(n, np.int32)
-    replied[received.client_indices] = 1
-    client_weight = np.zeros(n)
-    client_weight[received.client_indices] = weights if weighted else 1.0
-    # As the per-answer decoder's group weight, to the last bit.
-    total_weight = float(np.bincount(np.zeros(weights.size, int), weights)[0])
+    weights, weighted, replied, client_weight, total_weight = _clients(received, n)
     plan = _plan(qs)
     if not (localize_center and qs.num_loc):
         plan = (*plan[:8], np.zeros(0))
@@ -518,32 +532,34 @@ def decode_compiled(
     center = np.zeros(numel) if start is None else np.array(start, np.float64)
     stopped = np.zeros(numel, np.bool_)
     kernel = _kernel()
-    numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
+    threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
     chunk = max(1024, COMPILED_CHUNK_BYTES * 8 // (n * b) // 8 * 8)  # a byte boundary
-    for first in range(0, numel, chunk):
-        count = min(chunk, numel - first)
-        lo, hi = first * b // 8, -(-(first + count) * b // 8)
-        # Byte-major, one column per client (zeros for the silent ones): the bits of
-        # one coordinate are then contiguous, in client order.
-        silent = received.client_indices.size < n
-        bits_t = (np.zeros if silent else np.empty)((hi - lo, n), np.uint8)
-        bits_t[:, received.client_indices] = received.packed[:, lo:hi].T
-        part = slice(first, first + count)
-        kernel(
-            bits_t,
-            replied,
-            client_weight,
-            b,
-            weighted,
-            float(weights[0]),
-            total_weight,
-            plan,
-            votes,
-            keys,
-            first,
-            float(min_resultant),
-            center[part],
-            mean[part],
-            stopped[part],
-        )
+    with _RUN_LOCK:
+        numba.set_num_threads(threads)  # as many as torch uses
+        for first in range(0, numel, chunk):
+            count = min(chunk, numel - first)
+            lo, hi = first * b // 8, -(-(first + count) * b // 8)
+            # Byte-major, one column per client (zeros for the silent ones): the bits of
+            # one coordinate are then contiguous, in client order.
+            silent = received.client_indices.size < n
+            bits_t = (np.zeros if silent else np.empty)((hi - lo, n), np.uint8)
+            bits_t[:, received.client_indices] = received.packed[:, lo:hi].T
+            part = slice(first, first + count)
+            kernel(
+                bits_t,
+                replied,
+                client_weight,
+                b,
+                weighted,
+                float(weights[0]),
+                total_weight,
+                plan,
+                votes,
+                keys,
+                first,
+                float(min_resultant),
+                center[part],
+                mean[part],
+                stopped[part],
+            )
     return JointDecode(mean=mean, center=center, stopped_early=int(np.count_nonzero(stopped)))
