@@ -325,8 +325,7 @@ class OneBitCode:
         body = memoryview(parsed.body)
         if len(body) < _BODY.size:
             raise PayloadError(f"truncated onebit payload: {len(body)} body bytes")
-        expected_digest = digest
-        fmt, bits, center, refine, index, n, block, digest = _BODY.unpack_from(body, 0)
+        fmt, bits, center, refine, index, n, block, sent_digest = _BODY.unpack_from(body, 0)
         taus = self.block_taus(tau, numel)
         expected = {
             "format": (fmt, FORMAT),
@@ -337,8 +336,8 @@ class OneBitCode:
             "client count": (n, num_clients),
             "block": (block, self.block),
             "public parameter digest": (
-                digest,
-                self.digest(taus, num_clients) if expected_digest is None else expected_digest,
+                sent_digest,
+                self.digest(taus, num_clients) if digest is None else digest,
             ),
         }
         for what, (got, want) in expected.items():
