@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from experiments.memory import address_space_cap
+from fedcomp import compiled
 from fedcomp.onebit import OneBitCode, decode_compiled
 from fedcomp.onebit import code as onebit_code
 from fedcomp.onebit.decode import decode_joint, localize
@@ -233,7 +234,7 @@ def test_decoder_choice_falls_back_to_numpy_where_the_compiled_one_cannot_run(mo
     code = OneBitCode(bits=1, lam=100.0)
     qs = code.query_set(np.ones(1), 10)
     assert decode_compiled.available(qs) == decode_compiled.installed()
-    monkeypatch.setitem(decode_compiled._STATE, "numba", None)  # as without the fast extra
+    monkeypatch.setitem(compiled._STATE, "numba", None)  # as without the fast extra
     assert not decode_compiled.available(qs)
     with pytest.raises(RuntimeError, match="numba"):
         decode_compiled.decode_compiled(
@@ -248,7 +249,7 @@ def test_no_compilation_under_a_tight_address_space_limit(monkeypatch, caplog):
     # under such a ulimit -v the NumPy decoder runs instead, with a warning.
     qs = OneBitCode(bits=1, lam=100.0).query_set(np.ones(1), 10)
     monkeypatch.delitem(decode_compiled._STATE, "kernel", raising=False)
-    monkeypatch.delitem(decode_compiled._STATE, "warned", raising=False)
+    monkeypatch.delitem(compiled._STATE, "warned", raising=False)
     with address_space_cap(64 << 20):
         assert not decode_compiled.available(qs)
     assert "address-space limit" in caplog.text

@@ -29,14 +29,12 @@ query set whose scales are not powers of two, :func:`available` is False and
 from __future__ import annotations
 
 import functools
-import logging
 import math
-import threading
 from typing import Any
 
 import numpy as np
-import torch
 
+from fedcomp import compiled
 from fedcomp.onebit import public, queries
 from fedcomp.onebit.decode import JointDecode, Received, coefficient_table, used_queries
 from fedcomp.onebit.public import (
@@ -48,15 +46,10 @@ from fedcomp.onebit.public import (
 )
 from fedcomp.onebit.queries import QuerySet
 
-logger = logging.getLogger(__name__)
-
-#: Numba, imported on first use (:func:`installed`); the kernel bodies name it.
+#: Numba, once imported (:func:`_kernel`); the kernel bodies name it.
 numba: Any = None
-#: The import attempt and the compiled kernel, once made.
+#: The compiled kernel, once made.
 _STATE: dict[str, Any] = {}
-_LOCK = threading.Lock()
-#: The workqueue threading layer runs one parallel region at a time per process.
-_RUN_LOCK = threading.Lock()
 
 #: Largest answers per LOC query + 1 tabulated (32^4 entries, 8 MB at most; the
 #: default 20 votes per query need 23^4): more votes compute their arctan2 in place.
@@ -71,52 +64,19 @@ def installed() -> bool:
     """Whether Numba can be imported (the ``fast`` extra). Tried once, on first use:
     importing it costs 0.2 s, which every process that imports the one-bit code (each
     client too) would otherwise pay, while only the server decodes."""
-    if "numba" not in _STATE:
-        try:
-            import numba as module
-        except ImportError:
-            module = None
-        _STATE["numba"] = module
-    return _STATE["numba"] is not None
+    return compiled.installed()
 
 
 def available(qs: QuerySet) -> bool:
     """Whether the compiled decoder can decode this query set: Numba is installed, the
     scales are powers of two (``a0`` one, as the default 8), so that every remainder
-    it takes is exact (:func:`_mod`), and it is compiled or can be (:func:`_can_compile`)."""
+    it takes is exact (:func:`_mod`), and it is compiled or can be
+    (:func:`fedcomp.compiled.can_compile`)."""
     if not (installed() and _exact_inverse(qs.geometry.base) > 0):
         return False
-    return "kernel" in _STATE or _can_compile()
-
-
-#: Address space the first compilation needs: measured, the kernel compiles in 9 s
-#: with 1 GB of headroom under an address-space limit, and Numba's compiler does not
-#: finish at all with 256 MB.
-COMPILE_ADDRESS_SPACE = 1 << 30
-
-
-def _can_compile() -> bool:
-    """False, with a warning, when an address-space limit (``ulimit -v``) leaves less
-    than :data:`COMPILE_ADDRESS_SPACE` to this process: compiling would hang."""
-    try:
-        import resource
-
-        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-        with open("/proc/self/statm") as statm:
-            used = int(statm.read().split()[0]) * resource.getpagesize()
-    except (ImportError, OSError, ValueError):  # not Linux: no such limit to honour
-        return True
-    if soft == resource.RLIM_INFINITY or soft - used >= COMPILE_ADDRESS_SPACE:
-        return True
-    if not _STATE.get("warned"):
-        _STATE["warned"] = True
-        logger.warning(
-            "onebit: the address-space limit leaves %d MB, the compiled decoder needs %d MB"
-            " to compile: decoding with NumPy (about 6x slower)",
-            max(0, soft - used) >> 20,
-            COMPILE_ADDRESS_SPACE >> 20,
-        )
-    return False
+    return "kernel" in _STATE or compiled.can_compile(
+        "onebit", "decoding with NumPy (about 6x slower)"
+    )
 
 
 #: The helpers the kernel inlines; :func:`_kernel` compiles them in place.
@@ -138,40 +98,19 @@ def _kernel() -> Any:
     """:func:`_decode_chunk` compiled (on the first call in a process; later processes
     load it from Numba's on-disk cache). The helpers are compiled first and replace
     their Python definitions here, which is what the kernel then calls."""
-    with _LOCK:  # two first decodes at once would compile the helpers twice
+    with compiled.COMPILE_LOCK:
         if "kernel" not in _STATE:
             global numba
-            numba = _STATE["numba"]
-            # Numba's own thread pool, not OpenMP: its OpenMP layer shares libgomp with
-            # torch, and starting it reset torch's thread count (set to 1, read back 2:
-            # measured) and ignored numba.set_num_threads. No effect if the process has
-            # already started Numba's threads.
-            numba.config.THREADING_LAYER = "workqueue"
-            _STATE["kernel"] = _compile()
+            numba = compiled.numba_module()
+            kernels = compiled.compile_functions(
+                globals(),
+                inlined=_INLINED,
+                plain=("_vote_angle",),
+                parallel=("_decode_chunk",),
+                what="onebit",
+            )
+            _STATE["kernel"] = kernels["_decode_chunk"]
     return _STATE["kernel"]
-
-
-def _compile() -> Any:
-    """Decorate the helpers and the kernel, with Numba's on-disk cache where it finds a
-    writable place for it (else compiled in every process, with a warning)."""
-    names = globals()
-    python = {name: names[name] for name in (*_INLINED, "_vote_angle", "_decode_chunk")}
-    for cache in (True, False):
-        # error_model="numpy": a division by zero gives inf/nan as in NumPy, with no
-        # ZeroDivisionError check in every loop.
-        jit = {"cache": cache, "error_model": "numpy"}
-        try:
-            compiled = {name: numba.njit(inline="always", **jit)(python[name]) for name in _INLINED}
-            compiled["_vote_angle"] = numba.njit(**jit)(python["_vote_angle"])
-            kernel = numba.njit(parallel=True, **jit)(python["_decode_chunk"])
-        except RuntimeError as exc:  # "cannot cache function ...: no locator available"
-            if not cache:
-                raise
-            logger.warning("onebit: no cache for the compiled decoder (%s): compiling it", exc)
-            continue
-        names.update(compiled)
-        return kernel
-    raise AssertionError("unreachable")
 
 
 #: public.py's hash constants and queries.py's SREF kind, restated: Numba's on-disk
@@ -532,10 +471,8 @@ def decode_compiled(
     center = np.zeros(numel) if start is None else np.array(start, np.float64)
     stopped = np.zeros(numel, np.bool_)
     kernel = _kernel()
-    threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
     chunk = max(1024, COMPILED_CHUNK_BYTES * 8 // (n * b) // 8 * 8)  # a byte boundary
-    with _RUN_LOCK:
-        numba.set_num_threads(threads)  # as many as torch uses
+    with compiled.parallel_region():
         for first in range(0, numel, chunk):
             count = min(chunk, numel - first)
             lo, hi = first * b // 8, -(-(first + count) * b // 8)

@@ -1,0 +1,137 @@
+"""Numba, optional (the ``fast`` extra): imported on first use, compiled kernels cached.
+
+Two parts of fedcomp have compiled kernels: the one-bit joint decoder
+(:mod:`fedcomp.onebit.decode_compiled`) and the rotation codecs' encoders and decoders
+(:mod:`fedcomp.codecs.rotation_compiled`). Each falls back to NumPy/torch code when
+:func:`installed` is False or :func:`can_compile` refuses. This module holds what they
+share:
+
+- the import, tried once (it costs 0.2 s, which a process that never compiles should
+  not pay);
+- the guard against compiling under a small address-space limit (Numba's compiler then
+  never finishes: measured);
+- compilation with Numba's on-disk cache where it finds a writable place for it;
+- Numba's own workqueue thread pool, used under one lock and with as many threads as
+  torch uses: Numba's OpenMP layer shares libgomp with torch and reset torch's thread
+  count when it started (set to 1, read back 2: measured).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+#: The import attempt ("numba": the module or None) and the warnings already given.
+_STATE: dict[str, Any] = {}
+#: First compilations: two at once would compile the same helpers twice.
+COMPILE_LOCK = threading.Lock()
+#: The workqueue threading layer runs one parallel region at a time per process.
+_RUN_LOCK = threading.Lock()
+
+#: Address space the first compilation needs: measured, the one-bit kernel compiles in
+#: 9 s with 1 GB of headroom under an address-space limit, and Numba's compiler does not
+#: finish at all with 256 MB.
+COMPILE_ADDRESS_SPACE = 1 << 30
+
+
+def installed() -> bool:
+    """Whether Numba can be imported (tried once, on first use)."""
+    if "numba" not in _STATE:
+        try:
+            import numba as module
+        except ImportError:
+            module = None
+        _STATE["numba"] = module
+    return _STATE["numba"] is not None
+
+
+def numba_module() -> Any:
+    """The numba module (call :func:`installed` first)."""
+    module = _STATE.get("numba")
+    if module is None:
+        raise RuntimeError("numba is not installed: pip install fedcomp[fast]")
+    return module
+
+
+def can_compile(what: str, fallback: str) -> bool:
+    """False, with one warning per ``what``, when an address-space limit (``ulimit -v``)
+    leaves less than :data:`COMPILE_ADDRESS_SPACE` to this process: compiling would
+    hang. ``fallback`` says what runs instead, for the warning."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        with open("/proc/self/statm") as statm:
+            used = int(statm.read().split()[0]) * resource.getpagesize()
+    except (ImportError, OSError, ValueError):  # not Linux: no such limit to honour
+        return True
+    if soft == resource.RLIM_INFINITY or soft - used >= COMPILE_ADDRESS_SPACE:
+        return True
+    warned = _STATE.setdefault("warned", set())
+    if what not in warned:
+        warned.add(what)
+        logger.warning(
+            "%s: the address-space limit leaves %d MB, compiling needs %d MB: %s",
+            what,
+            max(0, soft - used) >> 20,
+            COMPILE_ADDRESS_SPACE >> 20,
+            fallback,
+        )
+    return False
+
+
+def compile_functions(
+    namespace: dict[str, Any],
+    *,
+    inlined: tuple[str, ...] = (),
+    plain: tuple[str, ...] = (),
+    parallel: tuple[str, ...] = (),
+    what: str,
+) -> dict[str, Callable]:
+    """Compile the named functions of a module's ``namespace`` (its ``globals()``) and
+    return the ``parallel`` ones, compiled.
+
+    The ``inlined`` helpers (``inline="always"``) and ``plain`` functions replace their
+    Python definitions in ``namespace``, which is what the kernels then call; the
+    kernels get ``parallel=True``. Numba's on-disk cache is used where it finds a
+    writable place, else everything is compiled in this process, with a warning. Call
+    under :data:`COMPILE_LOCK`.
+    """
+    numba = numba_module()
+    # No effect once the process has started Numba's threads (module docstring).
+    numba.config.THREADING_LAYER = "workqueue"
+    python = {name: namespace[name] for name in (*inlined, *plain, *parallel)}
+    for cache in (True, False):
+        # error_model="numpy": a division by zero gives inf/nan as in NumPy, with no
+        # ZeroDivisionError check in every loop.
+        jit = {"cache": cache, "error_model": "numpy"}
+        try:
+            compiled = {name: numba.njit(inline="always", **jit)(python[name]) for name in inlined}
+            compiled.update({name: numba.njit(**jit)(python[name]) for name in plain})
+            kernels = {name: numba.njit(parallel=True, **jit)(python[name]) for name in parallel}
+        except RuntimeError as exc:  # "cannot cache function ...: no locator available"
+            if not cache:
+                raise
+            logger.warning("%s: no cache for compiled code (%s): compiling it", what, exc)
+            continue
+        namespace.update(compiled)
+        return kernels
+    raise AssertionError("unreachable")
+
+
+@contextlib.contextmanager
+def parallel_region() -> Iterator[None]:
+    """Run compiled parallel kernels: one region at a time in this process (the
+    workqueue layer allows no more), with as many threads as torch uses."""
+    numba = numba_module()
+    threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    with _RUN_LOCK:
+        numba.set_num_threads(threads)
+        yield
