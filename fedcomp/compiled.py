@@ -53,11 +53,10 @@ def installed() -> bool:
 
 
 def numba_module() -> Any:
-    """The numba module (call :func:`installed` first)."""
-    module = _STATE.get("numba")
-    if module is None:
+    """The numba module; RuntimeError without it."""
+    if not installed():
         raise RuntimeError("numba is not installed: pip install fedcomp[fast]")
-    return module
+    return _STATE["numba"]
 
 
 def can_compile(what: str, fallback: str) -> bool:
@@ -94,15 +93,17 @@ def compile_functions(
     plain: tuple[str, ...] = (),
     parallel: tuple[str, ...] = (),
     what: str,
+    fastmath: frozenset[str] = frozenset(),
 ) -> dict[str, Callable]:
     """Compile the named functions of a module's ``namespace`` (its ``globals()``) and
     return the ``parallel`` ones, compiled.
 
     The ``inlined`` helpers (``inline="always"``) and ``plain`` functions replace their
     Python definitions in ``namespace``, which is what the kernels then call; the
-    kernels get ``parallel=True``. Numba's on-disk cache is used where it finds a
-    writable place, else everything is compiled in this process, with a warning. Call
-    under :data:`COMPILE_LOCK`.
+    kernels get ``parallel=True``. ``fastmath`` names LLVM's fast-math flags for all of
+    them (e.g. ``{"reassoc"}`` lets a float sum be vectorized). Numba's on-disk cache
+    is used where it finds a writable place, else everything is compiled in this
+    process, with a warning. Call under :data:`COMPILE_LOCK`.
     """
     numba = numba_module()
     # No effect once the process has started Numba's threads (module docstring).
@@ -111,7 +112,7 @@ def compile_functions(
     for cache in (True, False):
         # error_model="numpy": a division by zero gives inf/nan as in NumPy, with no
         # ZeroDivisionError check in every loop.
-        jit = {"cache": cache, "error_model": "numpy"}
+        jit = {"cache": cache, "error_model": "numpy", "fastmath": set(fastmath) or False}
         try:
             compiled = {name: numba.njit(inline="always", **jit)(python[name]) for name in inlined}
             compiled.update({name: numba.njit(**jit)(python[name]) for name in plain})

@@ -1,7 +1,10 @@
 """The rotation stage and EDEN: the Hadamard transform against the dense matrix, the
 padding rule, exact inversion, the Lloyd-Max fixed point, EDEN's normalized MSE at
 1 bit (pi/2 - 1), unbiasedness by Monte Carlo with tolerances from the measured
-variance, the least-squares scale's shrinkage, and bad input on both halves."""
+variance, the least-squares scale's shrinkage, and bad input on both halves.
+
+Tests taking the ``path`` fixture run twice: on the torch path and on the compiled one
+(fedcomp.codecs.rotation_compiled, forced for every size)."""
 
 from __future__ import annotations
 
@@ -12,12 +15,26 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord
 
-from fedcomp.codecs import PayloadError, TensorPolicy, decode_bytes, make_codec
+from fedcomp import compiled
+from fedcomp.codecs import PayloadError, TensorPolicy, decode_bytes, make_codec, rotation_compiled
 from fedcomp.codecs.eden import lloyd_max_normal, normalized_mse
+from fedcomp.codecs.packing import unpack_bits
 from fedcomp.codecs.rotation import MIN_BLOCK, block_sizes, hadamard, rotate, unrotate
 from fedcomp.codecs.wire import SpecMismatch
 from fedcomp.flower.validation import decode_payloads
 from fedcomp.rng import derive_seed
+
+
+@pytest.fixture(params=["torch", "compiled"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run the test on the torch path, then on the compiled one for every size."""
+    if request.param == "compiled":
+        if not compiled.installed():
+            pytest.skip("the compiled path needs numba")
+        monkeypatch.setattr(rotation_compiled, "MIN_COMPILED", 0)
+    else:
+        monkeypatch.setattr(rotation_compiled, "MIN_COMPILED", 1 << 62)
+    return request.param
 
 
 def _sylvester(n: int) -> np.ndarray:
@@ -58,7 +75,7 @@ def test_blocks_are_powers_of_two_with_padding_below_the_minimum_block(
 
 
 @pytest.mark.parametrize("rotations", [1, 2])
-def test_rotation_is_orthogonal_and_inverted_exactly(rotations: int) -> None:
+def test_rotation_is_orthogonal_and_inverted_exactly(rotations: int, path: str) -> None:
     x = torch.randn(3001, generator=torch.Generator().manual_seed(1))
     y = rotate(x, seed=9, block=1024, rotations=rotations)
     assert y.numel() == sum(block_sizes(x.numel(), 1024))
@@ -86,7 +103,7 @@ def test_lloyd_max_centroids_are_the_conditional_means_of_their_cells(bits: int)
         assert abs(normalized_mse(1) - (math.pi / 2 - 1)) < 1e-9  # DRIVE's constant
 
 
-def test_eden_two_bits_meets_its_predicted_normalized_mse() -> None:
+def test_eden_two_bits_meets_its_predicted_normalized_mse(path: str) -> None:
     """At 2 bits the prediction D / (1 - D) (D the Lloyd-Max distortion) is 0.1331."""
     x = _student_t(1 << 16, 4)
     nmse = _nmse(make_codec("eden", bits=2), x, range(3))
@@ -113,7 +130,9 @@ def _nmse(codec, x: torch.Tensor, seeds: range) -> np.ndarray:
 
 @pytest.mark.parametrize("rotations", [1, 2])
 @pytest.mark.parametrize("kind", ["gaussian", "student_t3"])
-def test_eden_one_bit_normalized_mse_is_pi_over_2_minus_1(kind: str, rotations: int) -> None:
+def test_eden_one_bit_normalized_mse_is_pi_over_2_minus_1(
+    kind: str, rotations: int, path: str
+) -> None:
     """DRIVE/EDEN at 1 bit: vNMSE -> pi/2 - 1 for large blocks, whatever the input's
     distribution (after the rotation). Within 5%, on 2^16 coordinates."""
     n = 1 << 16
@@ -147,7 +166,7 @@ def _bias2_and_spread(codec, x: torch.Tensor, draws: int) -> tuple[float, float]
     ],
     ids=["eden1", "eden2", "rotate_uniform2"],
 )
-def test_unbiased_rotated_codecs_average_to_the_input(spec: dict) -> None:
+def test_unbiased_rotated_codecs_average_to_the_input(spec: dict, path: str) -> None:
     """Without bias E||mean - x||^2 = E||Q(x) - x||^2 / draws; a bias b adds ||b||^2,
     which the 2x margin (over 600 coordinates, > 5 sigma) would expose."""
     x = _student_t(600, 5) * torch.linspace(0.05, 2, 600)
@@ -169,7 +188,7 @@ def test_one_rotation_leaves_eden_measurably_biased_so_it_claims_no_unbiasedness
     assert bias2 > 2.0 * spread, (bias2, spread)
 
 
-def test_the_least_squares_scale_shrinks_and_beats_the_unbiased_mse() -> None:
+def test_the_least_squares_scale_shrinks_and_beats_the_unbiased_mse(path: str) -> None:
     """scale="mse" is biased towards zero (its mean projects on x with a factor < 1,
     measured far beyond the Monte Carlo spread) and has a lower error."""
     x = _student_t(4096, 7)
@@ -287,7 +306,7 @@ def _reference_rotation(x: np.ndarray, seed: int, block: int, rotations: int) ->
     [((1 << 19) + 3001, 1024, 1), ((1 << 19) + 3001, 1024, 2), ((1 << 18) + 777, 8192, 1)],
 )
 def test_rotation_over_several_pieces_equals_the_dense_definition(
-    numel: int, block: int, rotations: int
+    numel: int, block: int, rotations: int, path: str
 ) -> None:
     """More coordinates than one cache-sized piece (2^18), with the padded tail, and a
     block above the two-factor size (4096): the rotation equals the definition computed
@@ -298,3 +317,99 @@ def test_rotation_over_several_pieces_equals_the_dense_definition(
     assert np.abs(y.double().numpy() - want).max() < 1e-4
     back = unrotate(y, numel=numel, seed=21, block=block, rotations=rotations)
     assert float((back - x).abs().max()) < 1e-4
+
+
+needs_numba = pytest.mark.skipif(not compiled.installed(), reason="the compiled path needs numba")
+
+
+@needs_numba
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+@pytest.mark.parametrize("scale", ["unbiased", "mse"])
+def test_compiled_eden_codes_are_the_nearest_centroids_and_scales_their_formula(
+    bits: int, scale: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The compiled encoder's codes and scales against the definition, from the rotated
+    vector computed densely in float64: every code is the nearest Lloyd-Max centroid
+    of y / rms (ties within float32 rounding aside), every block's scale is
+    ||y||^2 / <y, c> (unbiased) or <y, c> / ||c||^2 (mse) of its own codes, to float32
+    rounding; and the torch path agrees with it but for codes within rounding of a
+    threshold. A padded tail of blocks of 512 and 256 is included."""
+    monkeypatch.setattr(rotation_compiled, "MIN_COMPILED", 0)
+    numel, block, seed = 3 * 1024 + 700, 1024, 17
+    x = _student_t(numel, 8) * torch.linspace(0.1, 3, numel)
+    codec = make_codec("eden", bits=bits, scale=scale, block=block)
+    body = codec.encode(x, seed=seed).body
+    sizes = block_sizes(numel, block)
+    scales = np.frombuffer(body, "<f4", len(sizes), 8).astype(np.float64)
+    codes = unpack_bits(body[8 + 4 * len(sizes) :], sum(sizes), bits)
+    y = _reference_rotation(x.double().numpy(), seed, block, 2)
+    centroids, thresholds = lloyd_max_normal(bits)
+    c = centroids.astype(np.float32).astype(np.float64)[codes]
+    start = 0
+    for k, size in enumerate(sizes):
+        part = slice(start, start + size)
+        start += size
+        rms = math.sqrt((y[part] ** 2).mean())
+        nearest = np.searchsorted(thresholds, y[part] / rms)
+        # a code may differ from the float64 definition only at a threshold
+        differs = codes[part] != nearest
+        gap = np.abs(y[part][:, None] / rms - thresholds[None, :]).min(1)
+        assert (gap[differs] < 1e-5).all() and differs.sum() <= 2, (k, differs.sum())
+        dot, norm2 = float(y[part] @ c[part]), float(y[part] @ y[part])
+        want = norm2 / dot if scale == "unbiased" else dot / float(c[part] @ c[part])
+        assert abs(scales[k] / want - 1) < 1e-5, (k, scales[k], want)
+    monkeypatch.setattr(rotation_compiled, "MIN_COMPILED", 1 << 62)
+    torch_body = codec.encode(x, seed=seed).body
+    torch_codes = unpack_bits(torch_body[8 + 4 * len(sizes) :], sum(sizes), bits)
+    assert (torch_codes != codes).sum() <= 4
+
+
+@needs_numba
+@pytest.mark.parametrize("spec", [{"name": "eden", "bits": 2}, {"name": "rotate", "inner": "fp32"}])
+def test_payloads_of_either_path_decode_on_the_other(
+    spec: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client without Numba and a server with it, or the reverse: the same layout, so
+    either decodes the other's payload, to float32 rounding of the rotation."""
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(2))
+    codec = make_codec(**spec)
+    minimum = {"torch": 1 << 62, "compiled": 0}
+    payloads, decoded = {}, {}
+    for path in minimum:
+        monkeypatch.setattr(rotation_compiled, "MIN_COMPILED", minimum[path])
+        payloads[path] = codec.encode(x, seed=4)
+    for path in minimum:  # decoded[server path][client path]
+        monkeypatch.setattr(rotation_compiled, "MIN_COMPILED", minimum[path])
+        decoded[path] = {client: codec.decode(payloads[client]) for client in payloads}
+    for got in (decoded["compiled"]["torch"], decoded["torch"]["compiled"]):
+        assert float((got - decoded["torch"]["torch"]).abs().max()) < 1e-5 * float(got.abs().max())
+
+
+@needs_numba
+@pytest.mark.parametrize(("value", "count"), [(math.nan, 1), (-math.inf, 1), (3e38, 1024)])
+@pytest.mark.parametrize("spec", [{"name": "eden", "bits": 2}, {"name": "eden", "bits": 1}])
+def test_the_compiled_encoder_refuses_non_finite_blocks(
+    value: float, count: int, spec: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A NaN or Inf, or a block that overflows float32 once rotated (1,024 values of
+    3e38: its first coordinate is their sum over 32), is refused with the torch path's
+    message, not sent as a NaN scale."""
+    monkeypatch.setattr(rotation_compiled, "MIN_COMPILED", 0)
+    x = torch.randn(3000)
+    x[1024 : 1024 + count] = value
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        make_codec(**spec).encode(x, seed=1)
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        rotate(x, seed=1, block=1024, rotations=2)
+
+
+def test_without_numba_or_below_the_size_the_torch_path_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert not rotation_compiled.available(rotation_compiled.MIN_COMPILED - 1)
+    monkeypatch.setitem(compiled._STATE, "numba", None)  # as without the fast extra
+    assert not rotation_compiled.available(1 << 24)
+    x = torch.randn(1 << 16)
+    y = rotate(x, seed=3, block=1024, rotations=2)  # the torch path, still R x
+    want = _reference_rotation(x.double().numpy(), 3, 1024, 2)
+    assert np.abs(y.double().numpy() - want).max() < 1e-4

@@ -32,6 +32,7 @@ import struct
 import numpy as np
 import torch
 
+from fedcomp.codecs import rotation_compiled
 from fedcomp.codecs.base import Codec, header_for, register
 from fedcomp.codecs.blocks import check_range, expect_length, float32_safe, read_scales
 from fedcomp.codecs.packing import pack_bits, packed_size, unpack_bits
@@ -41,6 +42,7 @@ from fedcomp.codecs.rotation import (
     Rotation,
     block_sizes,
     check_rotation_block,
+    float32_flat,
     rotation_for,
 )
 from fedcomp.codecs.wire import Payload, PayloadError
@@ -183,11 +185,26 @@ def rotate_and_quantize(
     on multiples of MIN_BLOCK coordinates, so on whole bytes): each block is divided by
     its RMS and every coordinate mapped to the nearest Lloyd-Max centroid; the block's
     scale is EDEN's unbiased one or the least-squares one (module docstring). A zero
-    block gets scale 0.
+    block gets scale 0. Compiled (:mod:`fedcomp.codecs.rotation_compiled`) when
+    available for the size.
     """
     flat = x.detach().reshape(-1)
     packed = np.empty(packed_size(rot.padded, bits), dtype=np.uint8)
     scales = torch.empty(rot.blocks, dtype=torch.float32)
+    if rotation_compiled.available(rot.padded):
+        _, thresholds = lloyd_max_normal(bits)
+        rotation_compiled.eden_encode(
+            float32_flat(flat),
+            rot.runs,
+            rot.signs,
+            bits=bits,
+            unbiased=unbiased,
+            centroids=_centroids(bits)[0].astype(np.float64),
+            thresholds=thresholds,
+            packed=packed,
+            scales=scales.numpy(),
+        )
+        return packed, scales
     scratch = torch.empty(rot.work.numel(), dtype=torch.float32)
     codes = np.empty(rot.work.numel(), dtype=np.uint8)
     index = 0
@@ -209,6 +226,17 @@ def dequantize_and_unrotate(
     unpacked, dequantized and rotated back while in cache); ``packed`` holds exactly
     the padded length's codes."""
     centroids, _ = _centroids(bits)
+    if rotation_compiled.available(rot.padded):
+        out = rotation_compiled.eden_decode(
+            np.frombuffer(packed, np.uint8),
+            scales.numpy(),
+            rot.numel,
+            rot.runs,
+            rot.signs,
+            bits=bits,
+            centroids=centroids.astype(np.float64),
+        )
+        return torch.from_numpy(out)
     out = torch.empty(rot.padded, dtype=torch.float32)
     index = 0
     for start, size, count in rot.pieces():

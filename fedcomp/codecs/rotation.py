@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fedcomp.codecs import rotation_compiled
+
 #: The smallest rotation block; a tensor's tail is padded to a multiple of it.
 MIN_BLOCK = 256
 #: The largest rotation block accepted on the wire.
@@ -236,10 +238,21 @@ def rotation_for(numel: int, *, seed: int, block: int, rotations: int) -> Rotati
     return Rotation(numel, runs, signs, work, CHUNK)
 
 
+def float32_flat(x: torch.Tensor) -> np.ndarray:
+    """The tensor flattened as a contiguous float32 array (no copy when it is one)."""
+    return x.detach().reshape(-1).to(torch.float32).contiguous().numpy()
+
+
 def rotate(x: torch.Tensor, *, seed: int, block: int, rotations: int) -> torch.Tensor:
-    """``R x``: the flattened tensor, zero-padded to its blocks, rotated (float32)."""
+    """``R x``: the flattened tensor, zero-padded to its blocks, rotated (float32).
+
+    Compiled (:mod:`fedcomp.codecs.rotation_compiled`) when available for its size;
+    that path also raises ValueError when the result holds NaN or Inf."""
     flat = x.detach().reshape(-1)
     rot = rotation_for(flat.numel(), seed=seed, block=block, rotations=rotations)
+    if rotation_compiled.available(rot.padded):
+        out = rotation_compiled.rotate(float32_flat(flat), rot.runs, rot.signs, rot.padded)
+        return torch.from_numpy(out)
     out = torch.empty(rot.padded, dtype=torch.float32)
     for start, size, count in rot.pieces():
         rows = rot.load(flat, start, out[start : start + size * count].view(count, size))
@@ -253,6 +266,9 @@ def unrotate(y: torch.Tensor, *, numel: int, seed: int, block: int, rotations: i
     rot = rotation_for(numel, seed=seed, block=block, rotations=rotations)
     if y.numel() != rot.padded:
         raise ValueError(f"rotated length {y.numel()} does not match {numel} coordinates")
+    if rotation_compiled.available(rot.padded):
+        out = rotation_compiled.unrotate(float32_flat(y), numel, rot.runs, rot.signs)
+        return torch.from_numpy(out)
     out = y.reshape(-1).to(torch.float32, copy=True)
     for start, size, count in rot.pieces():
         rot.inverse_(start, out[start : start + size * count].view(count, size))
