@@ -385,16 +385,15 @@ def test_payloads_of_either_path_decode_on_the_other(
         assert float((got - decoded["torch"]["torch"]).abs().max()) < 1e-5 * float(got.abs().max())
 
 
-@needs_numba
 @pytest.mark.parametrize(("value", "count"), [(math.nan, 1), (-math.inf, 1), (3e38, 1024)])
-@pytest.mark.parametrize("spec", [{"name": "eden", "bits": 2}, {"name": "eden", "bits": 1}])
-def test_the_compiled_encoder_refuses_non_finite_blocks(
-    value: float, count: int, spec: dict, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.mark.parametrize(
+    "spec",
+    [{"name": "eden", "bits": 2}, {"name": "eden", "bits": 1}, {"name": "rotate", "inner": "fp32"}],
+)
+def test_encoders_refuse_non_finite_blocks(value: float, count: int, spec: dict, path: str) -> None:
     """A NaN or Inf, or a block that overflows float32 once rotated (1,024 values of
-    3e38: its first coordinate is their sum over 32), is refused with the torch path's
-    message, not sent as a NaN scale."""
-    monkeypatch.setattr(rotation_compiled, "MIN_COMPILED", 0)
+    3e38: its first coordinate is their sum over 32), is refused on either path, not
+    sent as a NaN scale or a NaN payload."""
     x = torch.randn(3000)
     x[1024 : 1024 + count] = value
     with pytest.raises(ValueError, match="NaN or Inf"):

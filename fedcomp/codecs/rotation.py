@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from fedcomp.codecs import rotation_compiled
+from fedcomp.codecs.blocks import all_finite
 
 #: The smallest rotation block; a tensor's tail is padded to a multiple of it.
 MIN_BLOCK = 256
@@ -245,9 +246,15 @@ def float32_flat(x: torch.Tensor) -> np.ndarray:
 
 def rotate(x: torch.Tensor, *, seed: int, block: int, rotations: int) -> torch.Tensor:
     """``R x``: the flattened tensor, zero-padded to its blocks, rotated (float32).
+    Compiled (:mod:`fedcomp.codecs.rotation_compiled`) when available for its size.
 
-    Compiled (:mod:`fedcomp.codecs.rotation_compiled`) when available for its size;
-    that path also raises ValueError when the result holds NaN or Inf."""
+    Raises
+    ------
+    ValueError
+        When the result holds NaN or Inf: the input did (a NaN spreads over its whole
+        block) or overflowed float32 when rotated. Checked on the result, in cache on
+        the compiled path, so that no caller needs a pass over the input of its own.
+    """
     flat = x.detach().reshape(-1)
     rot = rotation_for(flat.numel(), seed=seed, block=block, rotations=rotations)
     if rotation_compiled.available(rot.padded):
@@ -257,6 +264,8 @@ def rotate(x: torch.Tensor, *, seed: int, block: int, rotations: int) -> torch.T
     for start, size, count in rot.pieces():
         rows = rot.load(flat, start, out[start : start + size * count].view(count, size))
         rot.forward_(start, rows)
+    if not all_finite(out):
+        raise ValueError("rotate: the input holds NaN or Inf values (or overflows when rotated)")
     return out
 
 
