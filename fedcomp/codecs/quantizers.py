@@ -16,6 +16,7 @@ import struct
 import numpy as np
 import torch
 
+from fedcomp.codecs import quantize_compiled
 from fedcomp.codecs.base import Codec, header_for, register
 from fedcomp.codecs.blocks import (
     MAX_BLOCK,
@@ -110,16 +111,42 @@ class UniformCodec(Codec):
     def encode(self, x: torch.Tensor, *, seed: int) -> Payload:
         _float_only(x, self.name)
         levels = 2**self.bits - 1
-        flat = x.detach().reshape(-1).to(torch.float32)
-        scales = block_reduce(flat, self.block, "amax")
+        flat = x.detach().reshape(-1).to(torch.float32).contiguous()
+        # Compiled (fedcomp.codecs.quantize_compiled) for large tensors when Numba is
+        # installed: the same block maxima and the same codes, bit for bit (tested).
+        fast = quantize_compiled.available(flat.numel())
+        if fast:
+            scales = torch.from_numpy(quantize_compiled.block_amax(flat.numpy(), self.block))
+        else:
+            scales = block_reduce(flat, self.block, "amax")
         check_finite_scales(scales, self.name)
         # t = (x + s) * levels / (2s) = x * inv + levels / 2 (zero blocks: t = levels / 2,
         # which decodes to 0 since s = 0).
         inv = torch.where(scales > 0, levels / (2 * scales), torch.zeros_like(scales))
         offset, top = dither_range(levels)
         half = torch.tensor(levels / 2 + offset)
-        codes = torch.empty(flat.numel() + self.block, dtype=torch.uint8)
         generator = private_generator(seed)
+        if fast:
+            packed = quantize_compiled.dither_pack(
+                flat.numpy(), self.block, inv.numpy(), float(half), top, generator, self.bits
+            )
+        else:
+            packed = self._dithered_codes(flat, inv, half, top, generator)
+        body = _BITS_BLOCK.pack(self.bits, 0, self.block) + _scales_bytes(scales) + packed
+        return Payload(header_for(self.codec_id, x, seed if self.needs_seed else 0), body)
+
+    def _dithered_codes(
+        self,
+        flat: torch.Tensor,
+        inv: torch.Tensor,
+        half: torch.Tensor,
+        top: float,
+        generator: np.random.BitGenerator,
+    ) -> bytes:
+        """The packed codes ``floor(clamp(half + x inv, 0, top) + dither)`` (torch, in
+        cache-sized chunks)."""
+        levels = 2**self.bits - 1
+        codes = torch.empty(flat.numel() + self.block, dtype=torch.uint8)
         buffer = torch.empty(chunk_blocks(self.block) * self.block, dtype=torch.float32)
         for first, chunk in chunks(flat, self.block):
             t = buffer[: chunk.numel()].view(chunk.shape)
@@ -127,12 +154,7 @@ class UniformCodec(Codec):
             t.clamp_(0, top)
             begin = first * self.block
             dithered_floor(t, generator, levels, codes[begin : begin + chunk.numel()])
-        body = (
-            _BITS_BLOCK.pack(self.bits, 0, self.block)
-            + _scales_bytes(scales)
-            + pack_bits(codes[: x.numel()].numpy(), self.bits)
-        )
-        return Payload(header_for(self.codec_id, x, seed if self.needs_seed else 0), body)
+        return pack_bits(codes[: flat.numel()].numpy(), self.bits)
 
     @classmethod
     def _codes_and_scales(cls, payload: Payload) -> tuple[np.ndarray, torch.Tensor, int, int]:

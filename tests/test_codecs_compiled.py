@@ -1,0 +1,101 @@
+"""The compiled uniform quantizer (fedcomp.codecs.quantize_compiled) against the torch
+path: the same payload, byte for byte, for every bit width, odd and long blocks, a
+ragged end and several kernel chunks; a subtractive-dither payload it encodes decodes
+with the dithers the server regenerates; NaN is refused on both paths; without Numba
+or below the size the torch path runs."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from fedcomp import compiled
+from fedcomp.codecs import make_codec, quantize_compiled
+from fedcomp.codecs.blocks import block_reduce
+
+needs_numba = pytest.mark.skipif(not compiled.installed(), reason="the compiled path needs numba")
+
+
+def _both_paths(codec, x: torch.Tensor, seed: int, monkeypatch: pytest.MonkeyPatch):
+    """The codec's payload bytes on the torch path, then on the compiled one."""
+    out = []
+    for minimum in (1 << 62, 0):
+        monkeypatch.setattr(quantize_compiled, "MIN_COMPILED", minimum)
+        out.append(bytes(codec.encode(x, seed=seed)))
+    return out
+
+
+@needs_numba
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("block", [7, 256, 5000])
+@pytest.mark.parametrize("name", ["uniform", "dither"])
+def test_compiled_uniform_payloads_equal_the_torch_paths_byte_for_byte(
+    name: str, bits: int, block: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More coordinates than one kernel chunk (the dithers continue across chunks) and
+    a length that is not a multiple of 8 (the last group packs zeros), on heavy-tailed
+    values spread over decades (zero blocks included)."""
+    n = quantize_compiled.CHUNK + 3 * 4096 + 5
+    gen = np.random.default_rng(bits * block)
+    x = torch.from_numpy((gen.standard_t(3, n) * np.geomspace(1e-3, 1e3, n)).astype(np.float32))
+    x[100:400] = 0.0  # whole zero blocks (block 7 and 256): code levels / 2, scale 0
+    codec = make_codec(name, bits=bits, block=block)
+    torch_bytes, compiled_bytes = _both_paths(codec, x, 11, monkeypatch)
+    assert compiled_bytes == torch_bytes
+
+
+@needs_numba
+def test_compiled_block_maxima_are_exact() -> None:
+    x = torch.randn(70_001) * 10
+    x[5] = -1e30
+    for block in (1, 7, 256, 70_001, 100_000):
+        got = quantize_compiled.block_amax(x.numpy(), block)
+        assert np.array_equal(got, block_reduce(x, block, "amax").numpy())
+
+
+@needs_numba
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+@pytest.mark.parametrize("name", ["uniform", "dither"])
+def test_the_compiled_encoder_refuses_nan_and_inf(
+    name: str, bad: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(quantize_compiled, "MIN_COMPILED", 0)
+    x = torch.randn(10_000)
+    x[7777] = bad
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        make_codec(name, bits=2).encode(x, seed=1)
+
+
+@needs_numba
+def test_a_compiled_dither_payload_has_the_uniform_error_of_one_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The server subtracts the dithers it regenerates from the seed: with the encoder's
+    own draws the error of each coordinate is uniform on one step, so its mean square
+    is step^2 / 12 (a misaligned draw would make it step^2 / 6)."""
+    monkeypatch.setattr(quantize_compiled, "MIN_COMPILED", 0)
+    n, block, bits = 200_000, 256, 2
+    x = torch.randn(n, generator=torch.Generator().manual_seed(3))
+    codec = make_codec("dither", bits=bits, block=block)
+    err = (codec.decode(codec.encode(x, seed=9)) - x).double()
+    step = (2 * block_reduce(x, block, "amax") / (2**bits - 1)).double()
+    ratio = err.view(-1, 1)[: n - n % block].view(-1, block) ** 2 / step[: n // block, None] ** 2
+    mean = float(ratio.mean())
+    # the mean of n uniform squares: 1/12, standard deviation 1/sqrt(180 n)
+    assert abs(mean - 1 / 12) < 6 / math.sqrt(180 * n), mean
+
+
+def test_without_numba_or_below_the_size_the_torch_path_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert not quantize_compiled.available(quantize_compiled.MIN_COMPILED - 1)
+    monkeypatch.setitem(compiled._STATE, "numba", None)  # as without the fast extra
+    assert not quantize_compiled.available(1 << 24)
+    x = torch.randn(1 << 16)
+    codec = make_codec("uniform", bits=4)
+    assert float((codec.decode(codec.encode(x, seed=1)) - x).abs().max()) <= float(
+        2 * x.abs().max() / 15
+    )
