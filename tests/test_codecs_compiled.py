@@ -1,6 +1,6 @@
-"""The compiled uniform quantizer (fedcomp.codecs.quantize_compiled) against the torch
-path: the same payload, byte for byte, for every bit width, odd and long blocks, a
-ragged end and several kernel chunks; a subtractive-dither payload it encodes decodes
+"""The compiled quantizers (fedcomp.codecs.quantize_compiled) against the torch path:
+the same uniform, dither and QSGD payloads, byte for byte, for every bit width, odd and
+long blocks, a ragged end and several kernel chunks; a subtractive-dither payload it encodes decodes
 with the dithers the server regenerates; NaN is refused on both paths; without Numba
 or below the size the torch path runs."""
 
@@ -48,6 +48,22 @@ def test_compiled_uniform_payloads_equal_the_torch_paths_byte_for_byte(
 
 
 @needs_numba
+@pytest.mark.parametrize("levels", [1, 3, 16, 127])
+@pytest.mark.parametrize("block", [7, 1024])
+def test_compiled_qsgd_payloads_equal_the_torch_paths_byte_for_byte(
+    levels: int, block: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    n = quantize_compiled.CHUNK + 4096 + 3
+    gen = np.random.default_rng(levels + block)
+    x = torch.from_numpy((gen.standard_t(3, n) * np.geomspace(1e-3, 1e3, n)).astype(np.float32))
+    x[:2048] = 0.0  # zero blocks: norm 0, code levels
+    torch_bytes, compiled_bytes = _both_paths(
+        make_codec("qsgd", levels=levels, block=block), x, 5, monkeypatch
+    )
+    assert compiled_bytes == torch_bytes
+
+
+@needs_numba
 def test_compiled_block_maxima_are_exact() -> None:
     x = torch.randn(70_001) * 10
     x[5] = -1e30
@@ -58,15 +74,17 @@ def test_compiled_block_maxima_are_exact() -> None:
 
 @needs_numba
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
-@pytest.mark.parametrize("name", ["uniform", "dither"])
+@pytest.mark.parametrize(
+    "spec", [{"name": "uniform", "bits": 2}, {"name": "dither", "bits": 2}, {"name": "qsgd"}]
+)
 def test_the_compiled_encoder_refuses_nan_and_inf(
-    name: str, bad: float, monkeypatch: pytest.MonkeyPatch
+    spec: dict, bad: float, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(quantize_compiled, "MIN_COMPILED", 0)
     x = torch.randn(10_000)
     x[7777] = bad
     with pytest.raises(ValueError, match="NaN or Inf"):
-        make_codec(name, bits=2).encode(x, seed=1)
+        make_codec(**spec).encode(x, seed=1)
 
 
 @needs_numba

@@ -1,5 +1,5 @@
-"""The stochastic-rounding uniform quantizers' encode compiled with Numba: ``uniform``
-and subtractive-dither ``dither`` codes computed and packed in one pass.
+"""The stochastic-rounding quantizers' encode compiled with Numba: ``uniform``,
+subtractive-dither ``dither`` and ``qsgd`` codes computed and packed in one pass.
 
 The torch path (:class:`fedcomp.codecs.quantizers.UniformCodec`) takes the block maxima
 with ``aminmax`` (30 ms at 25M coordinates here: as long as all the rest), then runs
@@ -7,7 +7,7 @@ five passes per cache-sized chunk (the affine map, the clamp, the dither, the
 conversion to uint8, the bit packing). Here one parallel loop takes the block maxima,
 and another maps, clamps, dithers and truncates each block's run of coordinates in a
 vector loop, then packs them eight at a time (``bits`` bytes per group, MSB first: the
-layout of :mod:`fedcomp.codecs.packing`).
+layout of :mod:`fedcomp.codecs.packing`; QSGD's 6-bit codes too).
 
 The result is the torch path's, byte for byte (tested):
 
@@ -20,9 +20,9 @@ The result is the torch path's, byte for byte (tested):
 - the block maxima are exact.
 
 Numba is optional (the ``fast`` extra): :func:`available` says whether this path runs;
-below :data:`MIN_COMPILED` coordinates the torch path always does. QSGD stays on its
-torch path: its float32 block norms are summed in torch's order, which a compiled sum
-would not reproduce bit for bit, and measured it was no faster.
+below :data:`MIN_COMPILED` coordinates the torch path always does. QSGD's block norms
+are still taken by torch (float32 sums in torch's order, which a compiled sum would not
+reproduce bit for bit); only its codes are compiled.
 """
 
 from __future__ import annotations
