@@ -5,7 +5,9 @@
 1. For each codec and tensor size: encode and decode throughput (GB/s of float32
    input) and their cost relative to one memory-bound pass over the same tensor
    (torch.sum, measured in this run), plus the bits per coordinate actually produced
-   against the codec's nominal size (scales included, header excluded).
+   against the codec's nominal size (scales included, header excluded). Codecs with a
+   compiled path (Numba, the ``fast`` extra: uniform, QSGD, EDEN, rotate) are measured
+   on it and again on their torch path, in the same run.
 2. The server's decode + aggregate of 16 clients x 1M coordinates against Flower's own
    dense FedAvg aggregation (``aggregate_arrayrecords``) of the same updates.
 
@@ -17,17 +19,19 @@ decode + aggregate no slower than Flower's dense aggregation.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from experiments.runtime import emit
+from fedcomp import compiled
 from fedcomp.aggregate import weighted_mean
-from fedcomp.codecs import decode_bytes, make_codec
+from fedcomp.codecs import decode_bytes, make_codec, quantize_compiled, rotation_compiled
 from fedcomp.codecs.wire import HEADER_FIXED_BYTES
 
 SPECS: list[dict] = [
@@ -50,6 +54,23 @@ SPECS: list[dict] = [
 ]
 #: GB/s of float32 input: every codec's encode at 25M coordinates (the codec issue).
 SPEED_TARGET = 1.0
+#: Codecs with a compiled path (measured on both paths).
+COMPILED = {"uniform", "qsgd", "eden", "rotate"}
+
+
+@contextlib.contextmanager
+def torch_path(enabled: bool) -> Iterator[None]:
+    """Force the torch path of every compiled codec while ``enabled``."""
+    modules = (quantize_compiled, rotation_compiled)
+    saved = [m.MIN_COMPILED for m in modules]
+    try:
+        if enabled:
+            for m in modules:
+                m.MIN_COMPILED = 1 << 62
+        yield
+    finally:
+        for m, value in zip(modules, saved, strict=True):
+            m.MIN_COMPILED = value
 
 
 def best_time(fn: Callable[[], object], repeats: int) -> float:
@@ -71,34 +92,40 @@ def bench_codecs(sizes: list[int], repeats: int) -> list[dict]:
     rows = []
     for n in sizes:
         x = torch.randn(n, generator=torch.Generator().manual_seed(0))
-        gb = 4 * n / 1e9
         t_sum = best_time(lambda: x.sum(), repeats)  # noqa: B023
         for spec in SPECS:
-            params = {k: v for k, v in spec.items() if k != "name"}
-            codec = make_codec(spec["name"], **params)
-            t_enc = best_time(lambda: codec.encode(x, seed=1), repeats)  # noqa: B023
-            payload = codec.encode(x, seed=1)
-            buf = bytes(payload)
-            t_dec = best_time(lambda: decode_bytes(buf), repeats)  # noqa: B023
-            body_bits = 8 * (len(buf) - HEADER_FIXED_BYTES - 4) / n
-            nominal = codec.nominal_bits(n)
-            target = SPEED_TARGET
-            rows.append(
-                {
-                    "size": n,
-                    "codec": label(spec),
-                    "encode_GBps": gb / t_enc,
-                    "decode_GBps": gb / t_dec,
-                    "encode_vs_sum": t_enc / t_sum,
-                    "decode_vs_sum": t_dec / t_sum,
-                    "bits_per_coord": body_bits,
-                    "nominal_bits": nominal,
-                    "size_dev_pct": 100 * (body_bits - nominal) / nominal,
-                    "speed_target": target,
-                    "sum_GBps": gb / t_sum,
-                }
-            )
+            paths = ["torch"]
+            if spec["name"] in COMPILED and compiled.installed():
+                paths.insert(0, "compiled")
+            for path in paths:
+                with torch_path(path == "torch"):
+                    rows.append({**bench_one(spec, x, repeats, t_sum), "path": path})
     return rows
+
+
+def bench_one(spec: dict, x: torch.Tensor, repeats: int, t_sum: float) -> dict:
+    """One codec on one tensor: encode and decode times, bits per coordinate."""
+    n, gb = x.numel(), 4 * x.numel() / 1e9
+    params = {k: v for k, v in spec.items() if k != "name"}
+    codec = make_codec(spec["name"], **params)
+    t_enc = best_time(lambda: codec.encode(x, seed=1), repeats)
+    buf = bytes(codec.encode(x, seed=1))
+    t_dec = best_time(lambda: decode_bytes(buf), repeats)
+    body_bits = 8 * (len(buf) - HEADER_FIXED_BYTES - 4) / n
+    nominal = codec.nominal_bits(n)
+    return {
+        "size": n,
+        "codec": label(spec),
+        "encode_GBps": gb / t_enc,
+        "decode_GBps": gb / t_dec,
+        "encode_vs_sum": t_enc / t_sum,
+        "decode_vs_sum": t_dec / t_sum,
+        "bits_per_coord": body_bits,
+        "nominal_bits": nominal,
+        "size_dev_pct": 100 * (body_bits - nominal) / nominal,
+        "speed_target": SPEED_TARGET,
+        "sum_GBps": gb / t_sum,
+    }
 
 
 def bench_server(clients: int, n: int, repeats: int) -> list[dict]:
@@ -159,9 +186,9 @@ def markdown(codec_rows: list[dict], server_rows: list[dict], clients: int, n: i
         f"torch {torch.__version__}, numpy {np.__version__}. Times are the best of the "
         "repeats; ratios use baselines measured in the same run.",
         "",
-        "| size | codec | encode GB/s | decode GB/s | encode / sum | decode / sum | bits/coord "
-        "| nominal | deviation | target |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| size | codec | path | encode GB/s | decode GB/s | encode / sum | decode / sum "
+        "| bits/coord | nominal | deviation | target |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in codec_rows:
         target = r["speed_target"]
@@ -172,7 +199,8 @@ def markdown(codec_rows: list[dict], server_rows: list[dict], clients: int, n: i
         )
         size_ok = abs(r["size_dev_pct"]) <= 2.0
         lines.append(
-            f"| {r['size']:,} | {r['codec']} | {r['encode_GBps']:.2f} | {r['decode_GBps']:.2f} "
+            f"| {r['size']:,} | {r['codec']} | {r['path']} | {r['encode_GBps']:.2f} "
+            f"| {r['decode_GBps']:.2f} "
             f"| {r['encode_vs_sum']:.1f}x | {r['decode_vs_sum']:.1f}x | {r['bits_per_coord']:.3f} "
             f"| {r['nominal_bits']:.3f} | {r['size_dev_pct']:+.2f}%{'' if size_ok else ' (>2%)'} "
             f"| {verdict} |"
