@@ -13,8 +13,10 @@ for them trusts a field it should not.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -25,7 +27,16 @@ from hypothesis import strategies as st
 
 from experiments.fuzzing import FLOATS, mutate
 from experiments.memory import address_space_cap
-from fedcomp.codecs import PayloadError, TensorPolicy, decode_bytes, make_codec, parse_payload
+from fedcomp import compiled
+from fedcomp.codecs import (
+    PayloadError,
+    TensorPolicy,
+    decode_bytes,
+    make_codec,
+    parse_payload,
+    quantize_compiled,
+    rotation_compiled,
+)
 from fedcomp.failures import Rejection
 from fedcomp.flower.validation import decode_payloads
 from fedcomp.rng import derive_seed
@@ -54,7 +65,14 @@ SPECS = [
     {"name": "sparseq", "fraction": 0.2, "bits": 3, "block": 16},
     {"name": "sparseq", "fraction": 0.9, "bits": 1, "block": 8, "selection": "exact"},
     {"name": "lowrank", "rank": 2},
+    # the compiled encoders and decoders (fedcomp.codecs.*_compiled), forced at this size
+    {"name": "eden", "bits": 2, "block": 256, "path": "compiled"},
+    {"name": "eden", "bits": 4, "block": 512, "rotations": 1, "path": "compiled"},
+    {"name": "rotate", "inner": "qsgd", "levels": 3, "block": 8, "path": "compiled"},
+    {"name": "dither", "bits": 3, "block": 16, "path": "compiled"},
 ]
+if not compiled.installed():
+    SPECS = [spec for spec in SPECS if spec.get("path") != "compiled"]
 RUN_SEED, ROUND, CLIENT, NAME = 3, 2, 5, "w"
 
 
@@ -67,6 +85,14 @@ def _compiled_onebit_decoder():
     code.decode_mean([payload], client_indices=[1], **plan)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _compiled_codecs():
+    """The rotation and quantizer kernels loaded (or compiled) before any cap, as above."""
+    if compiled.installed():
+        rotation_compiled._kernels()
+        quantize_compiled._kernels()
+
+
 @pytest.fixture(autouse=True)
 def _memory_cap():
     with address_space_cap(HEADROOM):
@@ -74,7 +100,22 @@ def _memory_cap():
 
 
 def _codec(spec: dict):
-    return make_codec(spec["name"], **{k: v for k, v in spec.items() if k != "name"})
+    return make_codec(spec["name"], **{k: v for k, v in spec.items() if k not in ("name", "path")})
+
+
+@contextlib.contextmanager
+def _path(spec: dict) -> Iterator[None]:
+    """The compiled encoders and decoders for every size when the spec asks for them."""
+    modules = (rotation_compiled, quantize_compiled)
+    saved = [module.MIN_COMPILED for module in modules]
+    try:
+        if spec.get("path") == "compiled":
+            for module in modules:
+                module.MIN_COMPILED = 0
+        yield
+    finally:
+        for module, value in zip(modules, saved, strict=True):
+            module.MIN_COMPILED = value
 
 
 def _input(spec: dict) -> torch.Tensor:
@@ -141,11 +182,12 @@ mutation = st.one_of(
 def test_mutated_payloads_decode_or_fail_cleanly(spec: dict, ops: list) -> None:
     """EXAMPLES cases per codec (10^4 in `make fuzz`), through the context-free
     decoder and through the server's checked path."""
-    buf = _valid(spec)
-    for op in ops:
-        buf = mutate(buf, op)
-    _decode_or_reject(buf)
-    _server_decode_or_reject(buf, spec)
+    with _path(spec):
+        buf = _valid(spec)
+        for op in ops:
+            buf = mutate(buf, op)
+        _decode_or_reject(buf)
+        _server_decode_or_reject(buf, spec)
 
 
 @pytest.mark.parametrize(
@@ -195,14 +237,15 @@ def test_the_fuzzed_decoders_accept_what_they_should(spec: dict) -> None:
     """A decoder that rejects everything would pass the properties above: each one
     must decode its valid payload exactly as the codec does, and still decode after a
     bit flip in its last byte (codes or values, which any bits may hold)."""
-    codec, buf = _codec(spec), _valid(spec)
-    expected = codec.decode(parse_payload(buf)).numpy()
-    assert np.array_equal(decode_bytes(buf, max_numel=LIMIT).numpy(), expected)
-    if "entropy" in spec:
-        return  # a flipped bit inside a zstd frame is corruption, not another value
-    flipped = bytearray(buf)
-    flipped[-1] ^= 1
-    assert decode_bytes(bytes(flipped), max_numel=LIMIT).shape == expected.shape
+    with _path(spec):
+        codec, buf = _codec(spec), _valid(spec)
+        expected = codec.decode(parse_payload(buf)).numpy()
+        assert np.array_equal(decode_bytes(buf, max_numel=LIMIT).numpy(), expected)
+        if "entropy" in spec:
+            return  # a flipped bit inside a zstd frame is corruption, not another value
+        flipped = bytearray(buf)
+        flipped[-1] ^= 1
+        assert decode_bytes(bytes(flipped), max_numel=LIMIT).shape == expected.shape
 
 
 @settings(max_examples=EXAMPLES, deadline=None)
