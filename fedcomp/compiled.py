@@ -48,6 +48,10 @@ def installed() -> bool:
             import numba as module
         except ImportError:
             module = None
+        else:
+            # Before anything can start Numba's threads (a kernel's first launch, or
+            # numba.set_num_threads): the layer is fixed from then on (module docstring).
+            module.config.THREADING_LAYER = "workqueue"
         _STATE["numba"] = module
     return _STATE["numba"] is not None
 
@@ -106,8 +110,6 @@ def compile_functions(
     process, with a warning. Call under :data:`COMPILE_LOCK`.
     """
     numba = numba_module()
-    # No effect once the process has started Numba's threads (module docstring).
-    numba.config.THREADING_LAYER = "workqueue"
     python = {name: namespace[name] for name in (*inlined, *plain, *parallel)}
     for cache in (True, False):
         # error_model="numpy": a division by zero gives inf/nan as in NumPy, with no

@@ -117,3 +117,35 @@ def test_without_numba_or_below_the_size_the_torch_path_runs(
     assert float((codec.decode(codec.encode(x, seed=1)) - x).abs().max()) <= float(
         2 * x.abs().max() / 15
     )
+
+
+_FIRST_CALL = """
+import torch
+torch.set_num_threads(1)
+from fedcomp import compiled
+from fedcomp.codecs import make_codec, quantize_compiled, rotation_compiled
+quantize_compiled.MIN_COMPILED = rotation_compiled.MIN_COMPILED = 0
+make_codec({spec}).encode(torch.randn(5000), seed=1)
+assert torch.get_num_threads() == 1, torch.get_num_threads()
+print(compiled.numba_module().threading_layer())
+"""
+
+
+@needs_numba
+@pytest.mark.parametrize("spec", ["'uniform', bits=2", "'eden', bits=2", "'qsgd'"])
+def test_the_first_compiled_call_starts_numbas_own_thread_pool(spec: str) -> None:
+    """Whichever compiled kernel a process runs first, Numba's threads are its
+    workqueue pool: its OpenMP layer would share libgomp with torch and reset torch's
+    thread count. (A fresh process each: the layer is fixed at the first launch. The
+    uniform encoder once entered its parallel region before compiling, and got OpenMP.)"""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _FIRST_CALL.format(spec=spec)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    assert out.stdout.strip() == "workqueue", out.stderr
