@@ -132,8 +132,9 @@ def _dither_pack(x, numel, block, mul, add, top, draws, first, count, bits, pack
 def block_amax(flat: np.ndarray, block: int) -> np.ndarray:
     """max |x| of each block of a flat float32 array (NaN where a block holds one)."""
     out = np.empty(-(-flat.size // block), np.float32)
+    kernel = _kernels()["_block_amax"]
     with compiled.parallel_region():
-        _kernels()["_block_amax"](flat, block, out)
+        kernel(flat, block, out)
     return out
 
 
