@@ -55,7 +55,7 @@ SPECS: list[dict] = [
 #: GB/s of float32 input: every codec's encode at 25M coordinates (the codec issue).
 SPEED_TARGET = 1.0
 #: Codecs with a compiled path (measured on both paths).
-COMPILED = {"uniform", "qsgd", "eden", "rotate"}
+COMPILED = {"uniform", "dither", "qsgd", "eden", "rotate"}
 
 
 @contextlib.contextmanager

@@ -138,3 +138,64 @@ def parallel_region() -> Iterator[None]:
     with _RUN_LOCK:
         numba.set_num_threads(threads)
         yield
+
+
+class Kernels:
+    """One module's compiled kernels: compiled (or loaded from Numba's cache) on first
+    use, under :data:`COMPILE_LOCK`, then run once by ``warm_up``.
+
+    Numba compiles a kernel at its first call with given argument types; ``warm_up``
+    makes those calls, with the types the module's entry points pass, so that no
+    compilation happens later (inside a parallel region, or under an address-space
+    limit that :meth:`available` did not check).
+
+    Parameters
+    ----------
+    namespace : dict
+        The module's ``globals()``: the functions to compile are looked up there, their
+        compiled helpers replace them there, and ``numba`` is bound there for the
+        kernel bodies (``numba.prange``).
+    what, fallback : str
+        For warnings: who compiles, and what runs instead when it cannot.
+    inlined, plain, parallel, fastmath
+        As :func:`compile_functions`.
+    warm_up : callable, optional
+        Called with the compiled parallel kernels (by name).
+    """
+
+    def __init__(
+        self,
+        namespace: dict[str, Any],
+        *,
+        what: str,
+        fallback: str,
+        parallel: tuple[str, ...],
+        inlined: tuple[str, ...] = (),
+        plain: tuple[str, ...] = (),
+        fastmath: frozenset[str] = frozenset(),
+        warm_up: Callable[[dict[str, Callable]], None] | None = None,
+    ) -> None:
+        self.namespace, self.what, self.fallback = namespace, what, fallback
+        self.functions = {"inlined": inlined, "plain": plain, "parallel": parallel}
+        self.fastmath, self.warm_up = fastmath, warm_up
+        #: The compiled parallel kernels by name, once made.
+        self.compiled: dict[str, Callable] | None = None
+
+    def available(self) -> bool:
+        """Numba is installed, and the kernels are compiled or can be (:func:`can_compile`)."""
+        if not installed():
+            return False
+        return self.compiled is not None or can_compile(self.what, self.fallback)
+
+    def get(self) -> dict[str, Callable]:
+        """The compiled parallel kernels (compiled and warmed up on the first call)."""
+        with COMPILE_LOCK:
+            if self.compiled is None:
+                self.namespace["numba"] = numba_module()
+                kernels = compile_functions(
+                    self.namespace, what=self.what, fastmath=self.fastmath, **self.functions
+                )
+                if self.warm_up is not None:
+                    self.warm_up(kernels)
+                self.compiled = kernels
+        return self.compiled

@@ -42,6 +42,7 @@ def test_compiled_uniform_payloads_equal_the_torch_paths_byte_for_byte(
     gen = np.random.default_rng(bits * block)
     x = torch.from_numpy((gen.standard_t(3, n) * np.geomspace(1e-3, 1e3, n)).astype(np.float32))
     x[100:400] = 0.0  # whole zero blocks (block 7 and 256): code levels / 2, scale 0
+    x[600:800] = -0.0  # and of negative zeros (their scale is +0.0 on both paths)
     codec = make_codec(name, bits=bits, block=block)
     torch_bytes, compiled_bytes = _both_paths(codec, x, 11, monkeypatch)
     assert compiled_bytes == torch_bytes
@@ -112,6 +113,13 @@ def test_without_numba_or_below_the_size_the_torch_path_runs(
     assert not quantize_compiled.available(quantize_compiled.MIN_COMPILED - 1)
     monkeypatch.setitem(compiled._STATE, "numba", None)  # as without the fast extra
     assert not quantize_compiled.available(1 << 24)
+
+    def unexpected(*args, **kwargs):
+        raise AssertionError("the compiled path ran")
+
+    monkeypatch.setattr(quantize_compiled, "dither_pack", unexpected)
+    monkeypatch.setattr(quantize_compiled, "block_amax", unexpected)
+    make_codec("qsgd").encode(torch.randn(1 << 16), seed=1)
     x = torch.randn(1 << 16)
     codec = make_codec("uniform", bits=4)
     assert float((codec.decode(codec.encode(x, seed=1)) - x).abs().max()) <= float(
@@ -149,3 +157,42 @@ def test_the_first_compiled_call_starts_numbas_own_thread_pool(spec: str) -> Non
         timeout=300,
     )
     assert out.stdout.strip() == "workqueue", out.stderr
+
+
+_SIGNATURES = """
+import torch
+from fedcomp.codecs import decode_bytes, make_codec, quantize_compiled, rotation_compiled
+quantize_compiled.MIN_COMPILED = rotation_compiled.MIN_COMPILED = 0
+modules = (quantize_compiled, rotation_compiled)
+before = {(m.__name__, k): len(f.signatures) for m in modules for k, f in m._kernels().items()}
+assert all(before.values()), before  # compiled (or loaded) by _kernels() itself
+specs = [
+    dict(name="eden", bits=1), dict(name="eden", bits=3, scale="mse", rotations=1),
+    dict(name="rotate", inner="qsgd", levels=3), dict(name="uniform", bits=8),
+    dict(name="dither", bits=2), dict(name="qsgd"),
+]
+for spec in specs:
+    codec = make_codec(**spec)
+    buf = bytes(codec.encode(torch.randn(3000), seed=1))
+    decode_bytes(buf)
+    codec.decode(codec.encode(torch.randn(3000), seed=2))
+after = {(m.__name__, k): len(f.signatures) for m in modules for k, f in m._kernels().items()}
+assert after == before, (before, after)
+print("ok")
+"""
+
+
+@needs_numba
+def test_the_kernels_are_compiled_before_first_use_with_every_signature_used() -> None:
+    """Numba compiles at a kernel's first call with given argument types. _kernels()
+    runs each kernel once with the types the encoders and decoders pass (read-only
+    signs and payload codes included), so no compilation happens later: not inside a
+    parallel region, not under a memory cap, not past the address-space check. In a
+    fresh process, so that no earlier test compiled a signature first."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _SIGNATURES], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]

@@ -408,7 +408,35 @@ def test_without_numba_or_below_the_size_the_torch_path_runs(
     assert not rotation_compiled.available(rotation_compiled.MIN_COMPILED - 1)
     monkeypatch.setitem(compiled._STATE, "numba", None)  # as without the fast extra
     assert not rotation_compiled.available(1 << 24)
+
+    def unexpected(*args, **kwargs):
+        raise AssertionError("the compiled path ran")
+
+    for name in ("rotate", "unrotate", "eden_encode", "eden_decode"):
+        monkeypatch.setattr(rotation_compiled, name, unexpected)
+    codec = make_codec("eden", bits=2)
+    assert codec.decode(codec.encode(torch.randn(1 << 16), seed=1)).shape == (1 << 16,)
     x = torch.randn(1 << 16)
     y = rotate(x, seed=3, block=1024, rotations=2)  # the torch path, still R x
     want = _reference_rotation(x.double().numpy(), 3, 1024, 2)
     assert np.abs(y.double().numpy() - want).max() < 1e-4
+
+
+@pytest.mark.parametrize(("block", "magnitude"), [(1024, 1e37), (1 << 20, 1e35)])
+def test_extreme_magnitudes_rotate_and_come_back_finite(
+    block: int, magnitude: float, path: str
+) -> None:
+    """Values near float32's limit: both directions divide by sqrt(n) before their
+    butterflies, so no intermediate exceeds sqrt(n) times the largest value (the
+    compiled inverse once divided after them and decoded these to Inf). EDEN's payload
+    of them decodes finite and close."""
+    n = block + 3000
+    x = torch.randn(n, generator=torch.Generator().manual_seed(4)) * magnitude
+    y = rotate(x, seed=6, block=block, rotations=2)
+    back = unrotate(y, numel=n, seed=6, block=block, rotations=2)
+    assert bool(torch.isfinite(back).all())
+    assert float((back.double() - x.double()).norm() / x.double().norm()) < 1e-5
+    codec = make_codec("eden", bits=4, block=block)
+    decoded = codec.decode(codec.encode(x, seed=6)).double()
+    assert bool(torch.isfinite(decoded).all())
+    assert float((decoded - x.double()).norm() / x.double().norm()) < 0.2  # 4-bit EDEN

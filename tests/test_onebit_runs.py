@@ -248,7 +248,7 @@ def test_no_compilation_under_a_tight_address_space_limit(monkeypatch, caplog):
     # Numba's compiler never finishes with 256 MB of address space left (measured):
     # under such a ulimit -v the NumPy decoder runs instead, with a warning.
     qs = OneBitCode(bits=1, lam=100.0).query_set(np.ones(1), 10)
-    monkeypatch.delitem(decode_compiled._STATE, "kernel", raising=False)
+    monkeypatch.setattr(decode_compiled.KERNELS, "compiled", None)
     monkeypatch.delitem(compiled._STATE, "warned", raising=False)
     with address_space_cap(64 << 20):
         assert not decode_compiled.available(qs)

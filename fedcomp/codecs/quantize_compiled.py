@@ -33,10 +33,8 @@ import numpy as np
 
 from fedcomp import compiled
 
-#: Numba, once imported (:func:`_kernels`); the kernel bodies name it.
+#: Numba, bound by :data:`KERNELS` when it compiles; the kernel bodies name it.
 numba: Any = None
-#: The compiled kernel, once made.
-_STATE: dict[str, Any] = {}
 
 #: Coordinates below which the torch path runs (no Numba import in a process of small
 #: tensors).
@@ -48,25 +46,23 @@ CHUNK = 1 << 18
 
 def available(numel: int) -> bool:
     """Whether the compiled encoder runs for a tensor of ``numel`` coordinates."""
-    if numel < MIN_COMPILED or not compiled.installed():
-        return False
-    return "kernels" in _STATE or compiled.can_compile("quantize", "quantizing with torch")
+    return numel >= MIN_COMPILED and KERNELS.available()
 
 
 def _kernels() -> dict[str, Any]:
-    with compiled.COMPILE_LOCK:
-        if "kernels" not in _STATE:
-            global numba
-            numba = compiled.numba_module()
-            _STATE["kernels"] = compiled.compile_functions(
-                globals(),
-                parallel=("_block_amax", "_dither_pack"),
-                what="quantize",
-                # x * mul + add as one fused multiply-add, as torch.addcmul computes it
-                # (without, 3 codes in 4M at 8 bits differed from the torch path's)
-                fastmath=frozenset({"contract"}),
-            )
-    return _STATE["kernels"]
+    return KERNELS.get()
+
+
+def _warm_up(kernels: dict[str, Any]) -> None:
+    """Each kernel once, with the types :func:`block_amax` and :func:`dither_pack` pass
+    (see :class:`fedcomp.compiled.Kernels`)."""
+    x = np.zeros(16, np.float32)
+    with compiled.parallel_region():
+        kernels["_block_amax"](x, 8, np.zeros(2, np.float32))
+        kernels["_dither_pack"](
+            x, 16, 8, np.zeros(2, np.float32), np.float32(0.5), np.float32(1.0),
+            np.zeros(16, np.uint16), 0, 16, 2, np.zeros(6, np.uint8),
+        )  # fmt: skip
 
 
 def _block_amax(x, block, out):
@@ -136,6 +132,19 @@ def block_amax(flat: np.ndarray, block: int) -> np.ndarray:
     with compiled.parallel_region():
         kernel(flat, block, out)
     return out
+
+
+#: The kernels, compiled and warmed up on first use.
+KERNELS = compiled.Kernels(
+    globals(),
+    what="quantize",
+    fallback="quantizing with torch",
+    parallel=("_block_amax", "_dither_pack"),
+    # x * mul + add as one fused multiply-add, as torch.addcmul computes it (without,
+    # 3 codes in 4M at 8 bits differed from the torch path's)
+    fastmath=frozenset({"contract"}),
+    warm_up=_warm_up,
+)
 
 
 def dither_pack(

@@ -118,7 +118,9 @@ class UniformCodec(Codec):
         if fast:
             scales = torch.from_numpy(quantize_compiled.block_amax(flat.numpy(), self.block))
         else:
-            scales = block_reduce(flat, self.block, "amax")
+            # max(-min, max) is -0.0 for a block of -0.0 (torch.maximum keeps the second
+            # of two equal zeros): +0.0 on both paths, so that they send the same bytes
+            scales = block_reduce(flat, self.block, "amax").abs_()
         check_finite_scales(scales, self.name)
         # t = (x + s) * levels / (2s) = x * inv + levels / 2 (zero blocks: t = levels / 2,
         # which decodes to 0 since s = 0).

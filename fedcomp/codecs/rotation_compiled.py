@@ -40,21 +40,20 @@ import numpy as np
 
 from fedcomp import compiled
 
-#: Numba, once imported (:func:`_kernels`); the kernel bodies name it.
+#: Numba, bound by :data:`KERNELS` when it compiles; the kernel bodies name it.
 numba: Any = None
-#: The compiled kernels, once made.
-_STATE: dict[str, Any] = {}
 
 #: Coordinates below which the torch path runs (it is as fast there, and needs no
 #: Numba import, 0.2 s, nor a cache load, 0.3 s, in a process of small tensors).
 MIN_COMPILED = 1 << 16
 
-#: The helpers the kernels inline; :func:`_kernels` compiles them in place.
+#: The helpers the kernels inline; :data:`KERNELS` compiles them in place.
 _INLINED = (
     "_butterflies",
     "_scale_signs",
     "_load",
     "_forward",
+    "_normalize",
     "_inverse",
     "_sum_squares",
     "_quantize",
@@ -66,37 +65,61 @@ _INLINED = (
 _PARALLEL = ("_rotate_run", "_unrotate_run", "_eden_encode_run", "_eden_decode_run")
 
 
+#: The kernels, compiled and warmed up (:func:`_warm_up`) on first use.
+KERNELS = compiled.Kernels(
+    globals(),
+    what="rotation",
+    fallback="rotating with torch",
+    inlined=_INLINED,
+    parallel=_PARALLEL,
+    # float sums may be reordered, so that they vectorize; no other flag: the
+    # non-finite checks must see NaN and Inf
+    fastmath=frozenset({"reassoc"}),
+    warm_up=lambda kernels: _warm_up(kernels),
+)
+
+
 def available(numel: int) -> bool:
     """Whether the compiled path runs for a tensor of ``numel`` coordinates: large
     enough, Numba installed, and compiled or compilable here."""
-    if numel < MIN_COMPILED or not compiled.installed():
-        return False
-    return "kernels" in _STATE or compiled.can_compile("rotation", "rotating with torch")
+    return numel >= MIN_COMPILED and KERNELS.available()
 
 
 def _kernels() -> dict[str, Any]:
-    """The parallel kernels, compiled on the first call in a process (later processes
+    """The parallel kernels (compiled on the first call in a process; later processes
     load them from Numba's on-disk cache)."""
-    with compiled.COMPILE_LOCK:
-        if "kernels" not in _STATE:
-            global numba
-            numba = compiled.numba_module()
-            _STATE["kernels"] = compiled.compile_functions(
-                globals(),
-                inlined=_INLINED,
-                parallel=_PARALLEL,
-                what="rotation",
-                # float sums may be reordered, so that they vectorize; no other flag:
-                # the non-finite checks must see NaN and Inf
-                fastmath=frozenset({"reassoc"}),
-            )
-    return _STATE["kernels"]
+    return KERNELS.get()
+
+
+def _warm_up(kernels: dict[str, Any]) -> None:
+    """Run each kernel once on one block, with arguments of the types the entry points
+    pass (the public signs and a payload's codes are read-only arrays; see
+    :class:`fedcomp.compiled.Kernels`)."""
+    n = 256
+    x = np.zeros(n, np.float32)
+    signs = np.frombuffer(bytes(n // 8), np.uint8)
+    table, unit = sign_table(n), sign_table(1)
+    centroids, thresholds = np.zeros(4), np.zeros(3)
+    packed = np.zeros(n // 4, np.uint8)
+    scales = np.zeros(1, np.float32)
+    with compiled.parallel_region():
+        kernels["_rotate_run"](x, n, 0, n, 1, 1, signs, signs, 2, table, x.copy())
+        kernels["_unrotate_run"](x, n, 0, n, 1, 1, signs, signs, 2, table, unit, x.copy())
+        kernels["_eden_encode_run"](
+            x, n, 0, n, 1, 1, signs, signs, 2, table, 2, True, centroids, thresholds, packed,
+            scales, 0,
+        )  # fmt: skip
+        kernels["_eden_decode_run"](
+            np.frombuffer(packed.tobytes(), np.uint8), scales, 0, n, 0, n, 1, 1, signs, signs,
+            2, table, unit, 2, centroids, x.copy(),
+        )  # fmt: skip
 
 
 @functools.lru_cache(maxsize=16)
 def sign_table(n: int) -> np.ndarray:
     """For each sign byte, the factors of its eight coordinates (MSB first): ``-1/sqrt(n)``
-    where the bit is set (a flip), ``+1/sqrt(n)`` elsewhere; float32, shape (256, 8)."""
+    where the bit is set (a flip), ``+1/sqrt(n)`` elsewhere; float32, shape (256, 8).
+    ``sign_table(1)`` is the signs alone."""
     bits = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1)
     return ((1.0 - 2.0 * bits) / math.sqrt(n)).astype(np.float32)
 
@@ -167,13 +190,27 @@ def _forward(x, numel, v, o, n, signs0, signs1, rotations, base, table):
         _butterflies(v, o, n)
 
 
-def _inverse(v, o, n, signs0, signs1, rotations, base, table):
-    """``R^T`` of one block in place (each rotation's H, then its signs, last first)."""
+def _normalize(v, o, n):
+    """``v[o : o + n]`` over ``sqrt(n)``."""
+    root = np.float32(1.0 / math.sqrt(np.float64(n)))
+    for j in range(o, o + n):
+        v[j] *= root
+
+
+def _inverse(v, o, n, signs0, signs1, rotations, base, table, signs_only):
+    """``R^T`` of one block in place: per rotation, last first, ``D H / sqrt(n)``.
+
+    Each ``1/sqrt(n)`` comes before its butterflies, as in the forward direction, so
+    that no intermediate exceeds ``sqrt(n)`` times the block's largest value (dividing
+    after them overflowed float32 from about 1e37 at blocks of 1,024). The second
+    rotation's signs and the first's ``1/sqrt(n)`` are one multiplication (``table``);
+    the first's signs alone are ``signs_only`` (+-1)."""
+    _normalize(v, o, n)
     if rotations == 2:
         _butterflies(v, o, n)
         _scale_signs(v, o, n, signs1, base, table)
     _butterflies(v, o, n)
-    _scale_signs(v, o, n, signs0, base, table)
+    _scale_signs(v, o, n, signs0, base, signs_only)
 
 
 def _sum_squares(v, o, n):
@@ -268,7 +305,9 @@ def _rotate_run(x, numel, start, n, count, parts, signs0, signs1, rotations, tab
     return bad.sum()
 
 
-def _unrotate_run(y, numel, start, n, count, parts, signs0, signs1, rotations, table, out):
+def _unrotate_run(
+    y, numel, start, n, count, parts, signs0, signs1, rotations, table, signs_only, out
+):
     """``R^T y`` of the run's blocks into ``out``, cropped to ``numel`` coordinates."""
     n = np.uint64(n)
     for part in numba.prange(parts):
@@ -277,7 +316,7 @@ def _unrotate_run(y, numel, start, n, count, parts, signs0, signs1, rotations, t
             base = np.uint64(start) + np.uint64(blk) * n
             for j in range(n):
                 v[j] = y[base + j]
-            _inverse(v, np.uint64(0), n, signs0, signs1, rotations, base, table)
+            _inverse(v, np.uint64(0), n, signs0, signs1, rotations, base, table, signs_only)
             _crop(v, n, base, np.uint64(numel), out)
 
 
@@ -315,7 +354,7 @@ def _eden_encode_run(
 
 def _eden_decode_run(
     packed, scales, first_scale, numel, start, n, count, parts, signs0, signs1, rotations,
-    table, bits, centroids, out,
+    table, signs_only, bits, centroids, out,
 ):  # fmt: skip
     """``R^T`` of ``scale * centroid[code]`` of the run's blocks into ``out``, cropped to
     ``numel`` coordinates."""
@@ -331,7 +370,7 @@ def _eden_decode_run(
                 _unpack8(packed, at + i // np.uint64(8) * np.uint64(bits), bits, eight)
                 for t in range(8):
                     v[i + t] = np.float32(centroids[eight[t]]) * scale
-            _inverse(v, np.uint64(0), n, signs0, signs1, rotations, base, table)
+            _inverse(v, np.uint64(0), n, signs0, signs1, rotations, base, table, signs_only)
             _crop(v, n, base, np.uint64(numel), out)
 
 
@@ -389,7 +428,7 @@ def unrotate(
         for start, size, count in runs:
             kernels["_unrotate_run"](
                 y, numel, start, size, count, _parts(count), signs0, signs1, rotations,
-                sign_table(size), out,
+                sign_table(size), sign_table(1), out,
             )  # fmt: skip
     return out
 
@@ -449,7 +488,7 @@ def eden_decode(
         for start, size, count in runs:
             kernels["_eden_decode_run"](
                 packed, scales, index, numel, start, size, count, _parts(count), signs0,
-                signs1, rotations, sign_table(size), bits, centroids, out,
+                signs1, rotations, sign_table(size), sign_table(1), bits, centroids, out,
             )  # fmt: skip
             index += count
     return out

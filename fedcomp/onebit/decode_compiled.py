@@ -46,10 +46,8 @@ from fedcomp.onebit.public import (
 )
 from fedcomp.onebit.queries import QuerySet
 
-#: Numba, once imported (:func:`_kernel`); the kernel bodies name it.
+#: Numba, bound by :data:`KERNELS` when it compiles; the kernel bodies name it.
 numba: Any = None
-#: The compiled kernel, once made.
-_STATE: dict[str, Any] = {}
 
 #: Largest answers per LOC query + 1 tabulated (32^4 entries, 8 MB at most; the
 #: default 20 votes per query need 23^4): more votes compute their arctan2 in place.
@@ -72,11 +70,7 @@ def available(qs: QuerySet) -> bool:
     scales are powers of two (``a0`` one, as the default 8), so that every remainder
     it takes is exact (:func:`_mod`), and it is compiled or can be
     (:func:`fedcomp.compiled.can_compile`)."""
-    if not (installed() and _exact_inverse(qs.geometry.base) > 0):
-        return False
-    return "kernel" in _STATE or compiled.can_compile(
-        "onebit", "decoding with NumPy (about 6x slower)"
-    )
+    return installed() and _exact_inverse(qs.geometry.base) > 0 and KERNELS.available()
 
 
 #: The helpers the kernel inlines; :func:`_kernel` compiles them in place.
@@ -94,23 +88,23 @@ _INLINED = (
 )
 
 
+#: The kernel, compiled on its first use (its first call with the decoder's argument
+#: types, in :func:`decode_compiled`; the fuzz tests decode once before their caps).
+KERNELS = compiled.Kernels(
+    globals(),
+    what="onebit",
+    fallback="decoding with NumPy (about 6x slower)",
+    inlined=_INLINED,
+    plain=("_vote_angle",),
+    parallel=("_decode_chunk",),
+)
+
+
 def _kernel() -> Any:
     """:func:`_decode_chunk` compiled (on the first call in a process; later processes
     load it from Numba's on-disk cache). The helpers are compiled first and replace
     their Python definitions here, which is what the kernel then calls."""
-    with compiled.COMPILE_LOCK:
-        if "kernel" not in _STATE:
-            global numba
-            numba = compiled.numba_module()
-            kernels = compiled.compile_functions(
-                globals(),
-                inlined=_INLINED,
-                plain=("_vote_angle",),
-                parallel=("_decode_chunk",),
-                what="onebit",
-            )
-            _STATE["kernel"] = kernels["_decode_chunk"]
-    return _STATE["kernel"]
+    return KERNELS.get()["_decode_chunk"]
 
 
 #: public.py's hash constants and queries.py's SREF kind, restated: Numba's on-disk
