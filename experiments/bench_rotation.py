@@ -129,6 +129,10 @@ def speed_lines(n: int, repeats: int) -> list[str]:
     try:
         for path, minimum in paths.items():
             rotation_compiled.MIN_COMPILED = minimum
+            # Untimed first: the first few 100 MB allocations of a fresh process on this
+            # VM are 3-6x slower (first touches of memory; measured 695, 149, 145, then
+            # 58, 25 ms for one rotation), and that would land on the first row.
+            _speed_rows(x, 1)
             rows += [(path, *row) for row in _speed_rows(x, repeats)]
     finally:
         rotation_compiled.MIN_COMPILED = saved
