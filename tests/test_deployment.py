@@ -413,6 +413,7 @@ def _started(output: str) -> dict[int, int]:
 
 
 @pytest.mark.deployment
+@pytest.mark.slow  # about 60 s: `make deploy-test` and `make test-slow` run it
 def test_loopback_job_matches_the_in_process_path_byte_for_byte(tmp_path: Path) -> None:
     """2 SuperNodes, 2 rounds, top-k up and 4-bit down (replicas built from the seed on
     the SuperNodes): the real deployment computes the same updates.

@@ -18,6 +18,7 @@ from fedcomp.results import load_results
 pytestmark = pytest.mark.simulation
 
 
+@pytest.mark.slow  # about 35 s (two Ray jobs under submitit): `make test-slow` runs it
 def test_two_jobs_of_a_multirun_run_as_separate_processes_under_submitit(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     cmd = [
