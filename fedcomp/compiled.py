@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -41,8 +42,34 @@ _RUN_LOCK = threading.Lock()
 COMPILE_ADDRESS_SPACE = 1 << 30
 
 
+#: Environment variable that switches every compiled path off (``0``) or leaves them
+#: on where Numba is installed (``1``, the default).
+SWITCH = "FEDCOMP_COMPILED"
+
+
 def installed() -> bool:
-    """Whether Numba can be imported (tried once, on first use)."""
+    """Whether Numba can be imported (tried once, on first use) and the compiled paths
+    are not switched off with ``FEDCOMP_COMPILED=0``.
+
+    A process pays about 0.4 s to import Numba and load a module's kernels (measured).
+    That is nothing to a server or a simulation's long-lived actors, but it is paid for
+    every message where each one starts a fresh ClientApp process (Flower's process
+    isolation), and it outweighs what the faster encoders save below about 10^8
+    coordinates. Such deployments can switch the compiled paths off.
+
+    Raises
+    ------
+    ValueError
+        When ``FEDCOMP_COMPILED`` is set to anything but ``0`` or ``1``.
+    """
+    switch = os.environ.get(SWITCH, "1")
+    if switch not in ("0", "1"):
+        raise ValueError(f"{SWITCH}={switch!r}: allowed are 0 (compiled paths off) and 1 (on)")
+    return switch == "1" and _import() is not None
+
+
+def _import() -> Any:
+    """The numba module, or None without it (the import is tried once)."""
     if "numba" not in _STATE:
         try:
             import numba as module
@@ -53,14 +80,15 @@ def installed() -> bool:
             # numba.set_num_threads): the layer is fixed from then on (module docstring).
             module.config.THREADING_LAYER = "workqueue"
         _STATE["numba"] = module
-    return _STATE["numba"] is not None
+    return _STATE["numba"]
 
 
 def numba_module() -> Any:
     """The numba module; RuntimeError without it."""
-    if not installed():
+    module = _import()
+    if module is None:
         raise RuntimeError("numba is not installed: pip install fedcomp[fast]")
-    return _STATE["numba"]
+    return module
 
 
 def can_compile(what: str, fallback: str) -> bool:

@@ -196,3 +196,27 @@ def test_the_kernels_are_compiled_before_first_use_with_every_signature_used() -
         [sys.executable, "-c", _SIGNATURES], capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+def test_fedcomp_compiled_0_switches_every_compiled_path_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """For deployments that start a ClientApp process per message, where the 0.4 s of
+    loading Numba outweighs what it saves; a value other than 0 or 1 is refused,
+    naming the variable and what is allowed."""
+    from fedcomp.codecs import rotation_compiled
+    from fedcomp.onebit import OneBitCode, decode_compiled
+
+    qs = OneBitCode(bits=1, lam=100.0).query_set(np.ones(1), 10)
+    monkeypatch.setenv("FEDCOMP_COMPILED", "1")
+    on = compiled.installed()
+    assert quantize_compiled.available(1 << 24) == on == rotation_compiled.available(1 << 24)
+    assert decode_compiled.available(qs) == on
+    monkeypatch.setenv("FEDCOMP_COMPILED", "0")
+    assert not compiled.installed()
+    assert not quantize_compiled.available(1 << 24)
+    assert not rotation_compiled.available(1 << 24)
+    assert not decode_compiled.available(qs)
+    monkeypatch.setenv("FEDCOMP_COMPILED", "yes")
+    with pytest.raises(ValueError, match=r"FEDCOMP_COMPILED='yes'.*0 .*1"):
+        compiled.installed()
