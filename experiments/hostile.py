@@ -31,6 +31,7 @@ from fedcomp.failures import Failure
 from fedcomp.flower.strategy import CompressedStrategy
 from fedcomp.keys import (
     KEY_CV_VERSION,
+    KEY_NUM_EXAMPLES,
     KEY_PROTOCOL,
     KEY_RESYNC,
     KEY_ROUND,
@@ -152,6 +153,26 @@ def wrong_dtype(pid, reply, instruction):
     return _map_payloads(reply, instruction, change)
 
 
+def extra_train_metric(pid, reply, instruction):
+    """1: a train reply with one more metric name than the others."""
+    return _metrics(reply, instruction, lambda m: m.__setitem__("surprise", 1.0))
+
+
+def list_train_metric(pid, reply, instruction):
+    """1: a train metric that is a list where the others send a number."""
+    return _metrics(reply, instruction, lambda m: m.__setitem__("train_loss", [1.0, 2.0]))
+
+
+def nan_train_metric(pid, reply, instruction):
+    """A NaN train metric."""
+    return _metrics(reply, instruction, lambda m: m.__setitem__("train_loss", float("nan")))
+
+
+def overflow_weight(pid, reply, instruction):
+    """5: num-examples 1e308: two of them overflow the round's total weight."""
+    return _metrics(reply, instruction, lambda m: m.__setitem__(KEY_NUM_EXAMPLES, 1e308))
+
+
 def twice(pid, reply, instruction):
     """(e) The same reply sent twice."""
     return [reply, reply]
@@ -167,12 +188,16 @@ SCENARIOS = [
     (future_protocol, Failure.PROTOCOL, 1),
     (renamed_tensor, Failure.BAD_LAYOUT, 1),
     (wrong_dtype, Failure.BAD_LAYOUT, 1),
+    (extra_train_metric, Failure.BAD_METRICS, 1),
+    (list_train_metric, Failure.BAD_METRICS, 1),
+    (nan_train_metric, Failure.BAD_METRICS, 1),
+    (overflow_weight, Failure.BAD_WEIGHT, 1),
 ]
 
 
-def _hostile(behaviour, kind: str = MessageType.TRAIN):
+def _hostile(behaviour, kind: str = MessageType.TRAIN, hostile_ids=tuple(HOSTILE)):
     def tamper(pid, reply, instruction):
-        hostile = pid in HOSTILE and instruction.metadata.message_type == kind
+        hostile = pid in hostile_ids and instruction.metadata.message_type == kind
         if not hostile or reply.has_error():
             return reply
         return None if behaviour is None else behaviour(pid, reply, instruction)
@@ -181,34 +206,51 @@ def _hostile(behaviour, kind: str = MessageType.TRAIN):
 
 
 def run_round(
-    codec, behaviour, *, handoff="per_client", rounds=1, on_grid=None, evaluate=False, tamper=None
+    codec,
+    behaviour,
+    *,
+    handoff="per_client",
+    rounds=1,
+    on_grid=None,
+    evaluate=False,
+    tamper=None,
+    num_clients=N,
+    hostile=tuple(HOSTILE),
+    influence=None,
+    inner=None,
 ):
     """``rounds`` rounds through CompressedStrategy.start; the hostile clients act in
     the last one (and are honest before), on the train replies or, with ``evaluate``,
     on the evaluate replies (every client then evaluates). ``tamper`` replaces the
-    hostile-clients tamperer for every round. Returns the strategy, the
-    result and the server's peak memory while aggregating that round's train replies."""
+    hostile-clients tamperer for every round. ``num_clients``, ``hostile`` (their
+    partition ids), ``influence`` and ``inner`` (a Flower strategy) change the round's
+    make-up. Returns the strategy, the result and the server's peak memory while
+    aggregating that round's train replies."""
     set_task_identity()  # module-scoped fixtures run before conftest's autouse one
     fraction_evaluate = 1.0 if evaluate else 0.0
     settings = settings_from_dict(
         {
-            "num_clients": N,
+            "num_clients": num_clients,
             "fraction_evaluate": fraction_evaluate,
             "codec": codec,
             "train": {"local_epochs": 1},
         }
     )
-    hostile = _hostile(behaviour, MessageType.EVALUATE if evaluate else MessageType.TRAIN)
+    act = _hostile(behaviour, MessageType.EVALUATE if evaluate else MessageType.TRAIN, hostile)
     grid = InProcessGrid(
         make_client_app(),
-        N,
-        tamper=tamper or (lambda pid, r, i: hostile(pid, r, i) if _round_of(i) == rounds else r),
+        num_clients,
+        tamper=tamper or (lambda pid, r, i: act(pid, r, i) if _round_of(i) == rounds else r),
     )
     strategy = CompressedStrategy(
-        make_inner_strategy({"name": "fedavg"}, N, fraction_evaluate=fraction_evaluate),
+        inner
+        or make_inner_strategy(
+            {"name": "fedavg"}, num_clients, fraction_evaluate=fraction_evaluate
+        ),
         codec=codec,
         run_seed=settings.seed,
         aggregation=Aggregation(handoff=handoff),
+        influence=influence,
         task=client_task(settings),
         identity_timeout=5,
     )

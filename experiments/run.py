@@ -10,15 +10,18 @@ Each run writes ``results.json`` in its Hydra run directory.
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 from typing import Any
 
 import hydra
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.runtime import PROJECT_ROOT, quiet_flower
+from fedcomp.failures import RunFailed
 from fedcomp.settings import Settings, settings_from_dict, validate
 
 log = logging.getLogger("experiments.run")
@@ -73,6 +76,11 @@ def settings_from_cfg(cfg: DictConfig, results_path: str = "") -> Settings:
 def run(cfg: DictConfig, run_dir: Path, *, verbose: bool = False) -> dict[str, Any]:
     """Validate the config (before Ray starts), simulate, return the results."""
     settings = settings_from_cfg(cfg, str(run_dir / "results.json"))
+    return simulate_settings(settings, verbose=verbose)
+
+
+def simulate_settings(settings: Settings, *, verbose: bool = False) -> dict[str, Any]:
+    """Simulate validated settings and return the results."""
     quiet_flower(verbose)
     from experiments.simulate import simulate
 
@@ -81,18 +89,31 @@ def run(cfg: DictConfig, run_dir: Path, *, verbose: bool = False) -> dict[str, A
 
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    """Hydra entry point: a thin shell around :func:`run`."""
+    """Hydra entry point: a thin shell around :func:`run`.
+
+    A bad setting is one line on stderr (the key, the value, what is allowed) and exit
+    status 2, before Ray starts; a run that cannot have learned is one line and exit
+    status 1 after its results.json is written (in a multirun sweep the next job runs).
+    """
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     verbose = bool(OmegaConf.select(cfg, "verbose", default=False))
     if "verbose" in cfg:
         del cfg["verbose"]
-    run(cfg, run_dir, verbose=verbose)
+    try:
+        settings = settings_from_cfg(cfg, str(run_dir / "results.json"))
+    except ValueError as exc:  # every settings check raises it, naming key and value
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    try:
+        simulate_settings(settings, verbose=verbose)
+    except RunFailed as exc:
+        print(f"run failed: {exc}", file=sys.stderr, flush=True)
+        if HydraConfig.get().mode != RunMode.MULTIRUN:
+            raise SystemExit(1) from None
     log.info("results: %s", run_dir / "results.json")
 
 
 if __name__ == "__main__":
-    import sys
-
     problem = check_launcher(sys.argv[1:])
     if problem:
         print(f"error: {problem}", file=sys.stderr)

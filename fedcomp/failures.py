@@ -31,6 +31,10 @@ class Failure(StrEnum):
     WRONG_ROUND = "wrong_round"
     #: A missing, non-finite or non-positive example count.
     BAD_WEIGHT = "bad_weight"
+    #: Train metrics that are not finite scalars, or whose names differ from those
+    #: most of the round's replies carry (Flower's metric aggregation needs one key
+    #: set; anything else would end the ServerApp).
+    BAD_METRICS = "bad_metrics"
     #: Records, tensor names, shapes or dtypes that do not match the global model.
     BAD_LAYOUT = "bad_layout"
     #: A payload that is not well formed (truncated, extended, bad lengths or codes).

@@ -1,8 +1,11 @@
 """Bounded influence of one client on the mean: pure functions over a round's numbers.
 
 The wrapper applies them to decoded updates; they are kept here, Flower-free, so tests
-call them directly. Each needs a robust scale from the round itself (a median), so the
-rules are only applied with three replies or more where stated.
+call them directly. The norm rules measure each update against the round's own scale,
+the LOWER median of the update norms (:func:`reference_norm`): with two replies it is
+the smaller one, so one hostile client among two cannot raise the bound it is held to,
+and with n replies fewer than half of them (rounded up) cannot. With a single reply
+there is no reference and only the absolute bounds apply.
 """
 
 from __future__ import annotations
@@ -12,6 +15,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+#: The default norm rule's factor: an update is clipped to 10 times the round's
+#: reference norm. Measured on honest runs (docs/reliability.md): it never binds there.
+DEFAULT_NORM_CAP = 10.0
+#: The default absolute bound on a reply's num-examples (10^9 examples on one client;
+#: 10^299 clients would be needed to overflow the total).
+MAX_NUM_EXAMPLES = 1e9
+
 
 @dataclass(frozen=True)
 class Influence:
@@ -19,14 +29,23 @@ class Influence:
 
     weight_cap: cap each reply's num-examples at this multiple of the round's median
     report (0: off). norm_cap: scale an update whose L2 norm exceeds this multiple of the
-    round's median norm down to it (0: off; clipping, not rejection). reject_factor:
-    reject a reply whose update norm is beyond this multiple of the median (0: off;
-    needs three replies): a guard against huge finite values.
+    round's reference norm (:func:`reference_norm`) down to it (0: off; clipping, not
+    rejection); on by default at a factor honest runs do not reach (docs/reliability.md
+    has the measurement). reject_factor: reject a reply whose update norm is beyond this
+    multiple of the reference norm (0: off): a guard against huge finite values.
+    max_num_examples: the largest num-examples a reply may claim at all (a reply
+    claiming more is rejected): more than any client holds, and small enough that the
+    round's total weight stays finite for any number of clients.
+
+    With the defaults one client moves the mean update by at most ``norm_cap`` times
+    the reference norm, whatever weight it claims: the aggregate is a weighted mean of
+    updates each clipped to that norm.
     """
 
     weight_cap: float = 0.0
-    norm_cap: float = 0.0
+    norm_cap: float = DEFAULT_NORM_CAP
     reject_factor: float = 1000.0
+    max_num_examples: float = MAX_NUM_EXAMPLES
 
 
 #: Coordinates per float32 partial sum of squares in :func:`update_norm`.
@@ -71,18 +90,48 @@ def weight_cap(weights: Sequence[float], factor: float) -> float | None:
     return factor * float(np.median(weights))
 
 
+def reference_norm(norms: Sequence[float]) -> float | None:
+    """The round's reference norm: the lower median, ``sorted(norms)[(n - 1) // 2]``
+    (None with fewer than two norms).
+
+    Hostile clients cannot lift it: with at most ``n // 2`` of the n updates hostile,
+    at least ``ceil(n / 2)`` are honest, so the ``ceil(n / 2)``-th smallest norm (this
+    one) is at most the ``ceil(n / 2)``-th smallest honest norm, however large the
+    hostile norms are. With two updates it is the smaller one (the plain median of two
+    is their mean, which one hostile client sets at will).
+    """
+    if len(norms) < 2:
+        return None
+    return float(sorted(norms)[(len(norms) - 1) // 2])
+
+
 def outliers(norms: Sequence[float], factor: float) -> list[bool]:
-    """Which updates are beyond ``factor`` x the median norm (needs three or more)."""
-    if factor <= 0 or len(norms) < 3:
+    """Which updates are beyond ``factor`` x the reference norm (none with fewer than
+    two updates)."""
+    reference = reference_norm(norms)
+    if factor <= 0 or reference is None:
         return [False] * len(norms)
-    bound = factor * float(np.median(norms))
+    bound = factor * reference
     return [norm > bound for norm in norms]
 
 
-def clip_scales(norms: Sequence[float], factor: float) -> list[float]:
-    """Per update, the factor that brings its norm down to ``factor`` x the median
-    norm (1.0 for those within it; all 1.0 with fewer than three updates)."""
-    if factor <= 0 or len(norms) < 3:
+def clip_scales(
+    norms: Sequence[float], factor: float, fallback: float | None = None
+) -> list[float]:
+    """Per update, the factor that brings its norm down to ``factor`` x the reference
+    norm (1.0 for those within it). With fewer than two updates the round has no
+    reference of its own and ``fallback`` (the last round's) is used; without one,
+    all 1.0."""
+    reference = reference_norm(norms)
+    if reference is None:
+        reference = fallback
+    if factor <= 0 or reference is None:
         return [1.0] * len(norms)
-    cap = factor * float(np.median(norms))
+    cap = factor * reference
     return [cap / norm if norm > cap > 0 else 1.0 for norm in norms]
+
+
+def total_weight_is_finite(weights: Sequence[float]) -> bool:
+    """Whether the weights sum to a finite positive total (in float64, the mean's)."""
+    total = float(np.sum(np.asarray(weights, dtype=np.float64)))
+    return bool(np.isfinite(total) and total > 0)

@@ -116,6 +116,11 @@ class RoundCounts:
     clipped: int = 0
     #: 1 when the aggregate was not finite and the model was kept.
     aggregate_nonfinite: int = 0
+    #: The largest update norm over the round's reference norm (the lower median), before
+    #: clipping: how close the round came to ``norm_cap`` (None: fewer than two replies).
+    norm_ratio: float | None = None
+    #: 1 when the inner strategy raised while aggregating and the model was kept.
+    inner_failed: int = 0
     #: Error replies by fault kind (injected faults, ``error_reply``), plus
     #: ``rejected_reply`` for every reply the server refused.
     faults: dict[str, int] = field(default_factory=dict)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Any, NoReturn
 
 HANDOFFS = ("per_client", "pre_aggregated")
@@ -73,6 +74,35 @@ def check_codec_regime(codec_name: str, clients_per_round: int, *, regime_check:
         )
 
 
+#: Codecs that send a few coordinates of each update (alone or inside a memory).
+SPARSE_CODECS = ("topk", "randk", "sparseq")
+#: Inner strategies that aggregate coordinate by coordinate with a median or a trimmed
+#: mean: over sparse updates, where most clients send 0 for a coordinate, the result
+#: is 0 almost everywhere and the model does not move (measured: FedMedian with
+#: codec=ef_topk stays at chance accuracy, loss flat, docs/reliability.md).
+COORDINATEWISE_ROBUST = ("fedmedian", "fedtrimmedavg")
+
+
+def is_sparse(codec: Mapping[str, Any]) -> bool:
+    """Whether a codec spec sends sparse updates (its name or its inner codec's)."""
+    return codec.get("name") in SPARSE_CODECS or codec.get("inner") in SPARSE_CODECS
+
+
+def check_learnable(codec: Mapping[str, Any], strategy_name: str, *, regime_check: bool) -> None:
+    """Refuse combinations known not to learn, naming why and the override."""
+    if regime_check and is_sparse(codec) and strategy_name in COORDINATEWISE_ROBUST:
+        fail(
+            "strategy.name",
+            strategy_name,
+            f"a coordinate-wise median or trimmed mean of sparse updates (codec "
+            f"{codec.get('name')}"
+            + (f" around {codec['inner']}" if codec.get("inner") else "")
+            + ") is zero almost everywhere, so the model does not move; use a dense "
+            "codec (codec=uniform8, codec=eden1) or a mean-based strategy (fedavg), or "
+            "set regime_check=false to run it anyway",
+        )
+
+
 def check_server_options(
     *,
     codec_name: str,
@@ -84,6 +114,7 @@ def check_server_options(
     weight_cap: float,
     norm_cap: float,
     reject_factor: float,
+    max_num_examples: float,
 ) -> None:
     """Check the combination of server options that only the server half can judge.
 
@@ -137,3 +168,6 @@ def check_server_options(
     _check_factor("aggregation.weight_cap", weight_cap)
     _check_factor("aggregation.norm_cap", norm_cap)
     _check_factor("aggregation.reject_factor", reject_factor)
+    # Past 2^53 (9e15) float64 weights stop being exact integers.
+    if not (isinstance(max_num_examples, int | float) and 1 <= max_num_examples <= 1e15):
+        fail("aggregation.max_num_examples", max_num_examples, "must be a number in [1, 1e15]")

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Union
 
-from fedcomp.rules import check_codec_regime, check_server_options, fail
+from fedcomp.rules import check_codec_regime, check_learnable, check_server_options, fail
 
 if TYPE_CHECKING:  # a runtime import would load torch for every settings user
     from fedcomp.aggregation import Aggregation
@@ -183,15 +183,20 @@ class AggregationSettings:
     #: Bounded influence: a client's reported num-examples is capped at this multiple
     #: of the round's median report (0 = no cap), so no client dominates the mean.
     weight_cap: float = 0.0
-    #: Absurd updates: a decoded update whose L2 norm exceeds this multiple of the
-    #: round's median norm is scaled down to it (0 = off; joint codes are bounded by
-    #: construction and skip it).
-    norm_cap: float = 0.0
+    #: Bounded influence, on by default: a decoded update whose L2 norm exceeds this
+    #: multiple of the round's reference norm (the lower median of the update norms,
+    #: fedcomp.influence.reference_norm) is scaled down to it (0 = off; joint codes are
+    #: bounded by construction and skip it). Honest runs do not reach it
+    #: (docs/reliability.md).
+    norm_cap: float = 10.0
     #: Hostile or broken updates: a reply whose decoded update has an L2 norm beyond
-    #: this multiple of the round's median norm is rejected outright (0 = off; needs
-    #: three replies or more). Far above any honest spread, it stops a client from
-    #: sending huge finite values; ``norm_cap`` handles the milder cases by clipping.
+    #: this multiple of the round's reference norm is rejected outright (0 = off).
+    #: Far above any honest spread, it stops a client from sending huge finite values;
+    #: ``norm_cap`` handles the milder cases by clipping.
     reject_factor: float = 1000.0
+    #: The largest num-examples one reply may claim; a reply claiming more is rejected
+    #: (bad_weight). Keeps the round's total weight finite.
+    max_num_examples: float = 1e9
 
 
 @dataclass
@@ -307,8 +312,14 @@ class Settings:
     #: log line at most once a minute), "auto" (bar when stderr is a terminal, else log).
     progress: str = "auto"
     #: Refuse codecs outside the regime they work in (the one-bit code with fewer than
-    #: fedcomp.rules.JOINT_MIN_CLIENTS clients a round); false runs them anyway.
+    #: fedcomp.rules.JOINT_MIN_CLIENTS clients a round; sparse codecs under a
+    #: coordinate-wise median or trimmed mean); false runs them anyway.
     regime_check: bool = True
+    #: Fail a run whose model ends no better than it started (fedcomp.reporting): its
+    #: central loss not ``learning_margin`` x the initial below it, or its accuracy not
+    #: ``learning_margin`` above the initial.
+    learning_check: bool = True
+    learning_margin: float = 0.05
 
 
 # ---------------------------------------------------------------------------------
@@ -451,6 +462,9 @@ def validate(settings: Settings) -> Settings:
         max(1, int(s.fraction_train * s.num_clients)),  # the wrapper's count (Flower's)
         regime_check=s.regime_check,
     )
+    check_learnable(s.codec, str(s.strategy["name"]), regime_check=s.regime_check)
+    if not 0 <= s.learning_margin < 1:
+        _fail("learning_margin", s.learning_margin, "must be in [0, 1)")
     a = s.aggregation
     check_server_options(
         codec_name=str(s.codec["name"]),
@@ -462,6 +476,7 @@ def validate(settings: Settings) -> Settings:
         weight_cap=a.weight_cap,
         norm_cap=a.norm_cap,
         reject_factor=a.reject_factor,
+        max_num_examples=a.max_num_examples,
     )
     return s
 
@@ -507,11 +522,17 @@ def aggregation_of(settings: Settings) -> Aggregation:
 
 
 def influence_of(settings: Settings) -> Influence:
-    """The wrapper's influence bounds (weight cap, norm cap, rejection factor)."""
+    """The wrapper's influence bounds (weight cap, norm cap, rejection factor, the
+    absolute bound on num-examples)."""
     from fedcomp.influence import Influence
 
     a = settings.aggregation
-    return Influence(weight_cap=a.weight_cap, norm_cap=a.norm_cap, reject_factor=a.reject_factor)
+    return Influence(
+        weight_cap=a.weight_cap,
+        norm_cap=a.norm_cap,
+        reject_factor=a.reject_factor,
+        max_num_examples=a.max_num_examples,
+    )
 
 
 # ---------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from fedcomp.models import build_model
 from fedcomp.progress import ProgressReporter
 from fedcomp.reporting import Reporting
 from fedcomp.results import build_results, write_results
-from fedcomp.rules import check_codec_regime
+from fedcomp.rules import check_codec_regime, check_learnable
 from fedcomp.settings import (
     Settings,
     aggregation_of,
@@ -137,6 +137,9 @@ def build_strategy(
         max(1, int(settings.fraction_train * settings.num_clients)),
         regime_check=settings.regime_check,
     )
+    check_learnable(
+        settings.codec, str(settings.strategy["name"]), regime_check=settings.regime_check
+    )
     return CompressedStrategy(
         make_inner_strategy(
             settings.strategy,
@@ -152,7 +155,10 @@ def build_strategy(
         task=client_task(settings),
         policy=TensorPolicy(min_numel=settings.policy.min_numel),
         reporting=Reporting(
-            on_round=on_round, update_probe=_update_probe(settings.diagnostics_dir)
+            on_round=on_round,
+            update_probe=_update_probe(settings.diagnostics_dir),
+            learning_check=settings.learning_check,
+            learning_margin=settings.learning_margin,
         ),
         identity_timeout=settings.simulation.round_timeout,
     )

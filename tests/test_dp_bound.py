@@ -67,6 +67,6 @@ def test_stochastic_quantizers_can_raise_it_but_within_sqrt_block_max_per_block(
             part, out = x[start : start + 64], y[start : start + 64]
             scale = float(part.abs().max()) if spec["name"] != "qsgd" else _norm(part)
             if spec["name"] == "dither":  # subtractive dither: half a step beyond the range
-                scale *= 1 + 1 / (2**spec["bits"] - 1)
+                scale *= 1 + 1 / (2 ** spec["bits"] - 1)
             assert _norm(out) <= math.sqrt(part.numel()) * scale * (1 + 1e-5) + 1e-12
     assert raised > 0  # the column's "no": it happens

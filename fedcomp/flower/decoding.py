@@ -23,11 +23,18 @@ from fedcomp.controlvariates import ControlVariateServer, PendingMirror
 from fedcomp.failures import Failure, failure_of, short_reason
 from fedcomp.flower.accounting import count, record_bytes
 from fedcomp.flower.guards import norm_of
+from fedcomp.flower.handoff import client_metrics
 from fedcomp.flower.joint import split_reply
 from fedcomp.flower.records import account_reply, empty_client_row
 from fedcomp.flower.round_state import Decoded, Presum, RoundState
-from fedcomp.flower.validation import ReplyError, check_reply, compressed_names, decode_payloads
-from fedcomp.influence import outliers, update_norm
+from fedcomp.flower.validation import (
+    ReplyError,
+    check_reply,
+    compressed_names,
+    decode_payloads,
+    majority_keys,
+)
+from fedcomp.influence import MAX_NUM_EXAMPLES, outliers, update_norm
 from fedcomp.keys import (
     FAULT_REASON_PREFIX,
     KEY_CV_CHECKSUM,
@@ -60,6 +67,8 @@ class ReplyDecoder:
         Node id -> stable id (None for an unknown node).
     reject_factor : float
         Outlier rule (0: off): see fedcomp.influence.outliers.
+    max_weight : float
+        The largest num-examples a reply may claim (fedcomp.influence.Influence).
     """
 
     def __init__(
@@ -71,6 +80,7 @@ class ReplyDecoder:
         cv: ControlVariateServer | None,
         stable_of: Callable[[int], int | None],
         reject_factor: float,
+        max_weight: float = MAX_NUM_EXAMPLES,
         stream: bool = False,
         presum: bool = False,
     ) -> None:
@@ -91,6 +101,7 @@ class ReplyDecoder:
         self.cv = cv
         self.stable_of = stable_of
         self.reject_factor = reject_factor
+        self.max_weight = max_weight
 
     def _wire_codec(self, server_round: int) -> Codec | None:
         """This round's stateless codec (a memory may change it by round: DGC's warm-up)."""
@@ -108,7 +119,9 @@ class ReplyDecoder:
             raise ReplyError(
                 f"reply from node {node_id}, which was not asked this round", Failure.NOT_ASKED
             )
-        header, metrics, weight, payloads = check_reply(msg.content, sid, state.number)
+        header, metrics, weight, payloads = check_reply(
+            msg.content, sid, state.number, max_weight=self.max_weight
+        )
         if state.joint is not None:
             deltas, joint, codecs = split_reply(
                 self.codec,
@@ -212,7 +225,9 @@ class ReplyDecoder:
             if msg.has_error() or sid is None or sid not in state.sent or repeats[sid] > 1:
                 continue
             try:
-                weights.append(check_reply(msg.content, sid, state.number)[2])
+                weights.append(
+                    check_reply(msg.content, sid, state.number, max_weight=self.max_weight)[2]
+                )
             except Exception:
                 continue
         return float(sum(weights)) if weights else 1.0
@@ -230,7 +245,9 @@ class ReplyDecoder:
     ) -> tuple[dict[str, np.ndarray], PendingMirror | None]:
         """The same checks and decoders as the first time, on the same bytes, against
         the same mirrors (none is committed before the round's mean is taken)."""
-        header, _, _, payloads = check_reply(msg.content, sid, state.number)
+        header, _, _, payloads = check_reply(
+            msg.content, sid, state.number, max_weight=self.max_weight
+        )
         deltas, _, pending, _ = self._decode_update(payloads, header, sid, state)
         return deltas, pending
 
@@ -244,6 +261,33 @@ class ReplyDecoder:
                 assert pending is not None
                 self.cv.commit(pending)
                 item.deferred = False
+
+    def drop_metric_misfits(self, decoded: list[Decoded], state: RoundState) -> list[Decoded]:
+        """Set aside replies whose train metric names (fedcomp's own excepted) differ
+        from those most replies carry: the inner strategy's metric aggregation needs one
+        key set, and a reply with one more key made Flower end the ServerApp. The
+        majority is taken over names, so the result does not depend on reply order; with
+        no majority (a tie) every reply is set aside."""
+        if not decoded:
+            return decoded
+        names = [frozenset(client_metrics(d).keys()) for d in decoded]
+        keys = majority_keys(names, strict=True)
+        kept = []
+        for item, other in zip(decoded, names, strict=True):
+            if other == keys:
+                kept.append(item)
+                continue
+            exc = ReplyError(
+                f"train metric names {sorted(other)}, "
+                + (
+                    "no key set is carried by most replies"
+                    if keys is None
+                    else f"most replies carry {sorted(keys)}"
+                ),
+                Failure.BAD_METRICS,
+            )
+            reject(state, item.stable_id, exc)
+        return kept
 
     def drop_outliers(self, decoded: list[Decoded], state: RoundState) -> list[Decoded]:
         """Drop replies whose update norm is beyond ``reject_factor`` x the median."""

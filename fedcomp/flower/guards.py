@@ -4,6 +4,7 @@ outcome (nothing learned, diverged), made loud."""
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from collections import Counter
@@ -15,8 +16,9 @@ from flwr.app import Array, ArrayRecord
 
 from fedcomp.failures import RunFailed
 from fedcomp.flower.round_state import Decoded
-from fedcomp.influence import clip_scales, update_norm, weight_cap
+from fedcomp.influence import clip_scales, reference_norm, update_norm, weight_cap
 from fedcomp.keys import KEY_NUM_EXAMPLES
+from fedcomp.rules import COORDINATEWISE_ROBUST, is_sparse
 
 log = logging.getLogger("fedcomp.flower.strategy")  # one logger for the wrapper's lines
 
@@ -38,12 +40,18 @@ def norm_of(item: Decoded) -> float:
     return item.norm if item.norm is not None else update_norm(item.deltas)
 
 
-def clip_norms(decoded: list[Decoded], factor: float) -> int:
-    """Scale updates beyond ``factor`` x the median norm down to it; return how many
-    (clipping, not rejection: a residual mirror has already moved with the reply)."""
+def clip_norms(
+    decoded: list[Decoded], factor: float, fallback: float | None = None
+) -> tuple[int, float | None, float | None]:
+    """Scale updates beyond ``factor`` x the round's reference norm down to it (with a
+    single reply, ``fallback``: the last round's); return how many, this round's
+    reference and the largest norm's ratio to it before clipping (how close the round
+    came to the cap; clipping, not rejection: a residual mirror has already moved with
+    the reply)."""
     norms = [norm_of(d) for d in decoded]
     clipped = 0
-    for item, norm, scale in zip(decoded, norms, clip_scales(norms, factor), strict=True):
+    scales = clip_scales(norms, factor, fallback)
+    for item, norm, scale in zip(decoded, norms, scales, strict=True):
         if scale != 1.0:
             if item.reload is not None:  # released: scaled when the reducer loads it
                 item.scale = scale
@@ -56,7 +64,9 @@ def clip_norms(decoded: list[Decoded], factor: float) -> int:
             log.warning(
                 "client %s: update norm %.3g clipped to %.3g", item.stable_id, norm, norm * scale
             )
-    return clipped
+    reference = reference_norm(norms)
+    ratio = max(norms) / reference if reference else None
+    return clipped, reference, ratio
 
 
 def cast_like(arrays: ArrayRecord, reference: Mapping[str, np.ndarray]) -> ArrayRecord:
@@ -131,18 +141,103 @@ def fail_if_diverged(rounds: list[dict[str, Any]]) -> None:
         )
 
 
+def _changed_model(record: dict[str, Any]) -> bool:
+    """Whether a round's aggregate replaced the model (some reply accepted, and neither
+    the inner strategy nor the finiteness check discarded the round)."""
+    return (
+        record["replied"] > 0
+        and not record.get("inner_failed")
+        and not record.get("aggregate_nonfinite")
+    )
+
+
 def fail_if_nothing_learned(rounds: list[dict[str, Any]]) -> None:
-    """A run in which no round accepted a single reply cannot have learned: say so
-    loudly, with what the replies were rejected for, instead of ending as a success."""
-    if not rounds or any(r["replied"] > 0 for r in rounds):
+    """A run in which no round changed the model cannot have learned: say so loudly,
+    with what the replies were rejected for or why the rounds were discarded, instead
+    of ending as a success."""
+    if not rounds or any(_changed_model(r) for r in rounds):
         return
     rejected: Counter[str] = Counter()
     for record in rounds:
         rejected.update(record.get("rejected", {}))
         rejected.update({k: v for k, v in record["faults"].items() if k != "rejected_reply"})
+        for flag in ("inner_failed", "aggregate_nonfinite"):
+            rejected[flag] += record.get(flag, 0)
+    rejected = +rejected  # drop the zero counts
     reasons = ", ".join(f"{k} {v}" for k, v in rejected.most_common()) or "no replies at all"
+    if not any(r["replied"] for r in rounds):
+        what = "no reply was accepted in any"
+    else:  # replies were accepted, but every round was discarded after them
+        what = "every round was discarded (inner_failed, aggregate_nonfinite) in each"
     raise RunFailed(
-        f"no reply was accepted in any of the {len(rounds)} round(s): the model never "
-        f"changed. Failures by kind: {reasons}. Check that the ClientApp has "
-        "fedcomp.flower.CompressionMod and the logs' rejected replies."
+        f"{what} of the {len(rounds)} round(s): the model never changed. Failures by "
+        f"kind: {reasons}. Check that the ClientApp has fedcomp.flower.CompressionMod, "
+        "and the logs' rejected replies and inner-strategy errors."
+    )
+
+
+#: The round line flags a central loss this many times the run's best so far.
+LOSS_FLAG_FACTOR = 3.0
+
+
+def best_loss(initial: float | None, rounds: list[dict[str, Any]]) -> float | None:
+    """The lowest finite central loss so far (the initial model's included)."""
+    losses = [initial] + [r.get("loss") for r in rounds]
+    finite = [v for v in losses if isinstance(v, float) and math.isfinite(v) and v > 0]
+    return min(finite) if finite else None
+
+
+def not_learning(initial: Mapping[str, Any], final: Mapping[str, Any], margin: float) -> str | None:
+    """Why a model that went from ``initial`` to ``final`` (central accuracy and loss)
+    did not learn, or None: its loss is not ``margin`` x the initial loss below it, or
+    its accuracy not ``margin`` above the initial. Metrics absent on either side are
+    not judged."""
+    reasons = []
+    loss0, loss1 = initial.get("loss"), final.get("loss")
+    if _number(loss0) and _number(loss1) and loss1 > (1.0 - margin) * loss0:
+        reasons.append(f"central loss {loss1:.4g} (initial {loss0:.4g})")
+    acc0, acc1 = initial.get("accuracy"), final.get("accuracy")
+    if _number(acc0) and _number(acc1) and acc1 < acc0 + margin:
+        reasons.append(f"accuracy {acc1:.4f} (initial {acc0:.4f})")
+    return " and ".join(reasons) or None
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)
+
+
+def fail_if_not_learning(
+    initial: Mapping[str, Any] | None,
+    rounds: list[dict[str, Any]],
+    margin: float,
+    likely_causes: str,
+) -> None:
+    """A run whose model ends no better than it started fails, naming the likely cause."""
+    if not initial or not rounds:
+        return
+    why = not_learning(initial, rounds[-1], margin)
+    if why is not None:
+        raise RunFailed(
+            f"the model did not learn: after round {rounds[-1]['round']} its {why}, "
+            f"not {margin:g} better. {likely_causes} (Reporting(learning_check=False), "
+            "or learning_check=false in the settings, turns this check off.)"
+        )
+
+
+def likely_causes(codec_json: str, strategy_name: str) -> str:
+    """The likely causes of a run that did not learn, given what it ran."""
+    codec = json.loads(codec_json)
+    if is_sparse(codec) and strategy_name.lower() in COORDINATEWISE_ROBUST:
+        return (
+            f"{strategy_name}'s coordinate-wise median or trimmed mean of sparse updates "
+            "is zero almost everywhere: use a dense codec or a mean-based strategy."
+        )
+    if codec.get("name") == "randk" or codec.get("inner") == "randk":
+        return (
+            "random-k scales each kept coordinate by numel / k: unbiased, but its variance "
+            "makes the steps far too large; use ef_topk or sparseq instead."
+        )
+    return (
+        "Likely causes: too much compression for this task (codec, downlink), a "
+        "learning rate too high or too low, or too few rounds."
     )

@@ -146,8 +146,10 @@ def round_record(
         # Rejected replies per failure kind (fedcomp.failures.Failure).
         "rejected": dict(counts.rejected),
         **({"aggregate_nonfinite": 1} if counts.aggregate_nonfinite else {}),
+        **({"inner_failed": 1} if counts.inner_failed else {}),
         "capped": counts.capped,
         "clipped": counts.clipped,
+        "norm_ratio": counts.norm_ratio,
         **({"diagnostics": counts.diagnostics} if counts.diagnostics is not None else {}),
         **({"downlink": counts.downlink} if counts.downlink is not None else {}),
         **(

@@ -59,12 +59,16 @@ from fedcomp.flower.decoding import ReplyDecoder
 from fedcomp.flower.evaluation import first_present, valid_evaluate_replies
 from fedcomp.flower.guards import (
     DIVERGING_FACTOR,
+    LOSS_FLAG_FACTOR,
     all_finite,
+    best_loss,
     cap_weights,
     cast_like,
     clip_norms,
     fail_if_diverged,
+    fail_if_not_learning,
     fail_if_nothing_learned,
+    likely_causes,
     loss_growth,
     print_through_flower,
 )
@@ -75,8 +79,8 @@ from fedcomp.flower.instructions import Instructions, Sampling, sample
 from fedcomp.flower.joint import plan_round
 from fedcomp.flower.records import client_rows, empty_client_row, log_line, round_record
 from fedcomp.flower.replica import ReplicaSender
-from fedcomp.flower.round_state import RoundState
-from fedcomp.influence import Influence
+from fedcomp.flower.round_state import Decoded, RoundState
+from fedcomp.influence import Influence, total_weight_is_finite
 from fedcomp.onebit import OneBitCode
 from fedcomp.onebit.federated import JointServerState
 from fedcomp.reporting import Reporting
@@ -163,6 +167,7 @@ class CompressedStrategy(Strategy):
             weight_cap=self.influence.weight_cap,
             norm_cap=self.influence.norm_cap,
             reject_factor=self.influence.reject_factor,
+            max_num_examples=self.influence.max_num_examples,
         )
         self.codec = make_codec_from_spec(codec)  # fails fast on a bad spec
         #: Joint codes (one-bit) decode only the mean of all replies together.
@@ -188,6 +193,9 @@ class CompressedStrategy(Strategy):
         self._state: RoundState | None = None
         #: Messages exchanged between rounds (first contact), counted in the next one.
         self._pending_traffic = Traffic()
+        #: The last round's reference norm (fedcomp.influence.reference_norm): what a
+        #: round with a single reply is clipped against.
+        self._reference_norm: float | None = None
 
     def _build_collaborators(
         self, policy: TensorPolicy | None, task: Mapping[str, Any] | None
@@ -214,6 +222,7 @@ class CompressedStrategy(Strategy):
             cv=self.cv,
             stable_of=self.clients.ids.stable_of,
             reject_factor=self.influence.reject_factor,
+            max_weight=self.influence.max_num_examples,
             # the plain mean and the trees take updates one at a time: release them
             # between passes (the one-bit path keeps its bits: decoding.py)
             stream=self.aggregation.pre_aggregated,
@@ -294,6 +303,13 @@ class CompressedStrategy(Strategy):
         )
         fail_if_nothing_learned(self.rounds[self._offset :])
         fail_if_diverged(self.rounds[self._offset :])
+        if self.reporting.learning_check:
+            fail_if_not_learning(
+                self.initial_evaluation,
+                self.rounds,
+                self.reporting.learning_margin,
+                likely_causes(self.instructions.codec_json, type(self.strategy).__name__),
+            )
         return result
 
     # ------------------------------------------------------------------ instructions
@@ -414,12 +430,12 @@ class CompressedStrategy(Strategy):
         replies = list(replies)
         self.clients.note_replies(replies)
         decoded = self.decoder.decode_all(replies, state)
+        decoded = self.decoder.drop_metric_misfits(decoded, state)
         decoded = self.decoder.drop_outliers(decoded, state)
         self.decoder.accept(decoded, state, self.clients.accepted_round)
         decode_s = time.perf_counter() - t0
 
-        state.record.capped = cap_weights(decoded, self.influence.weight_cap)
-        state.record.clipped = 0 if self.joint else clip_norms(decoded, self.influence.norm_cap)
+        decoded = self._bound_influence(decoded, state)
         t1 = time.perf_counter()
         arrays, metrics = None, None
         try:
@@ -429,7 +445,7 @@ class CompressedStrategy(Strategy):
         if not decoded:
             log.warning("round %d: no valid replies, the global model is unchanged", server_round)
         elif replies_in is not None:
-            arrays, metrics = self.strategy.aggregate_train(server_round, replies_in)
+            arrays, metrics = self._inner_aggregate(server_round, replies_in, state)
         if arrays is not None:  # FedAdam & co. compute in float64: keep the model's dtypes
             arrays = cast_like(arrays, state.global_arrays)
         aggregate_s = time.perf_counter() - t1
@@ -456,6 +472,41 @@ class CompressedStrategy(Strategy):
             new_arrays = {k: np.asarray(v.numpy()) for k, v in arrays.items()}
             state.record.downlink = self.replicas.advance(new_arrays)
         return arrays, metrics
+
+    def _bound_influence(self, decoded: list[Decoded], state: RoundState) -> list[Decoded]:
+        """Cap weights and clip norms (fedcomp.influence); a round whose total weight is
+        not finite hands nothing over (the model is kept)."""
+        state.record.capped = cap_weights(decoded, self.influence.weight_cap)
+        if not self.joint:
+            state.record.clipped, reference, state.record.norm_ratio = clip_norms(
+                decoded, self.influence.norm_cap, self._reference_norm
+            )
+            self._reference_norm = reference or self._reference_norm
+        if decoded and not total_weight_is_finite([d.weight for d in decoded]):
+            log.error("round %d: the total weight is not finite; the model is kept", state.number)
+            state.record.aggregate_nonfinite = 1
+            return []
+        return decoded
+
+    def _inner_aggregate(
+        self, server_round: int, replies: list[Message], state: RoundState
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """The inner strategy's aggregate; a failure there fails the round (logged, the
+        model kept), never the run."""
+        try:
+            return self.strategy.aggregate_train(server_round, replies)
+        except Exception as exc:
+            log.error(
+                "round %d: the inner strategy %s failed to aggregate (%s: %s); the global "
+                "model is kept",
+                server_round,
+                type(self.strategy).__name__,
+                type(exc).__name__,
+                exc,
+                exc_info=exc,
+            )
+            state.record.inner_failed = 1
+            return None, None
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs, as plain data (public randomness needs none):
@@ -603,6 +654,11 @@ class CompressedStrategy(Strategy):
         growth = loss_growth(record["loss"], self._loss_reference())
         if growth is not None and growth >= DIVERGING_FACTOR:
             record["loss_growth"] = growth
+        above_best = loss_growth(
+            record["loss"], best_loss((self.initial_evaluation or {}).get("loss"), self.rounds)
+        )
+        if above_best is not None and above_best >= LOSS_FLAG_FACTOR:
+            record["loss_above_best"] = above_best
         self.rounds.append(record)
         self._state = None
         line = log_line(record, self._num_rounds)
@@ -612,6 +668,8 @@ class CompressedStrategy(Strategy):
             log.error("%s | DIVERGING: loss %.0fx the initial one", line, growth)
         elif record["replied"] == 0:
             log.warning("%s | NO REPLY ACCEPTED: the model did not change", line)
+        elif "loss_above_best" in record:
+            log.warning("%s | LOSS %.1fx ITS BEST SO FAR", line, record["loss_above_best"])
         else:
             log.info(line)
         if self.reporting.on_round is not None:

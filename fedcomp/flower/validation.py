@@ -26,6 +26,7 @@ from fedcomp.codecs.wire import (
     check_field,
 )
 from fedcomp.failures import Failure, Rejection
+from fedcomp.influence import MAX_NUM_EXAMPLES
 from fedcomp.keys import (
     KEY_NUM_EXAMPLES,
     KEY_PROTOCOL,
@@ -52,9 +53,14 @@ def _torch_dtype(array: np.ndarray) -> torch.dtype:
 
 
 def check_reply(
-    content: RecordDict, stable_id: int, server_round: int
+    content: RecordDict,
+    stable_id: int,
+    server_round: int,
+    *,
+    max_weight: float = MAX_NUM_EXAMPLES,
 ) -> tuple[ConfigRecord, MetricRecord, float, ArrayRecord]:
-    """Check the header, the weight and the records; return them.
+    """Check the header, the weight (positive, finite, at most ``max_weight``), the
+    metrics (finite scalars) and the records; return them.
 
     Raises
     ------
@@ -86,12 +92,27 @@ def check_reply(
     if metrics is None or KEY_NUM_EXAMPLES not in metrics:
         raise ReplyError(f"metrics lack '{KEY_NUM_EXAMPLES}'", Failure.BAD_WEIGHT)
     weight = metrics[KEY_NUM_EXAMPLES]
-    if isinstance(weight, list) or not math.isfinite(weight) or weight <= 0:
-        raise ReplyError(f"invalid {KEY_NUM_EXAMPLES}={weight!r}", Failure.BAD_WEIGHT)
+    if isinstance(weight, list) or not math.isfinite(weight) or not 0 < weight <= max_weight:
+        raise ReplyError(
+            f"invalid {KEY_NUM_EXAMPLES}={weight!r}: must be in (0, {max_weight:g}]",
+            Failure.BAD_WEIGHT,
+        )
+    check_train_metrics(metrics)
     payloads = content.array_records.get(RECORD_PAYLOAD)
     if payloads is None:
         raise ReplyError(f"no '{RECORD_PAYLOAD}' record")
     return header, metrics, float(weight), payloads
+
+
+def check_train_metrics(metrics: MetricRecord) -> None:
+    """Every train metric is one finite number: Flower's metric aggregation weighs each
+    by num-examples, and a list among scalars (or NaN) made it raise and end the
+    ServerApp."""
+    for key, value in metrics.items():
+        if isinstance(value, list) or not math.isfinite(value):
+            raise ReplyError(
+                f"train metric {key}={value!r} is not a finite number", Failure.BAD_METRICS
+            )
 
 
 def check_evaluate_reply(content: RecordDict, weighted_by: str = KEY_NUM_EXAMPLES) -> MetricRecord:
@@ -113,13 +134,18 @@ def check_evaluate_reply(content: RecordDict, weighted_by: str = KEY_NUM_EXAMPLE
     return metrics
 
 
-def majority_keys(key_sets: list[frozenset[str]]) -> frozenset[str]:
-    """The metric names most replies carry (ties: the smallest sorted tuple), so that
-    replies with other names can be set aside without depending on reply order."""
+def majority_keys(key_sets: list[frozenset[str]], *, strict: bool = False) -> frozenset[str] | None:
+    """The metric names most replies carry, so that replies with other names can be set
+    aside without depending on reply order. On a tie: the smallest sorted tuple, or
+    with ``strict`` None (no majority: a client choosing its names cannot win a tie,
+    and with two clients a tie is one against one)."""
     counts: dict[frozenset[str], int] = {}
     for keys in key_sets:
         counts[keys] = counts.get(keys, 0) + 1
-    return min(counts, key=lambda keys: (-counts[keys], tuple(sorted(keys))))
+    ranked = sorted(counts, key=lambda keys: (-counts[keys], tuple(sorted(keys))))
+    if strict and len(ranked) > 1 and counts[ranked[0]] == counts[ranked[1]]:
+        return None
+    return ranked[0]
 
 
 def allowed_codecs(

@@ -1,0 +1,386 @@
+"""Bounded influence under the defaults, and no silent failure.
+
+What one client can do to the model with the default settings (fedcomp.influence): its
+update is clipped to ``norm_cap`` x the round's reference norm (the lower median of the
+update norms) whatever weight it claims, a claimed weight beyond ``max_num_examples`` is
+a rejected reply, and a round whose total weight is not finite hands nothing over. The
+bounds below are computed in each test from the honest clients' own updates.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+
+from experiments.hostile import (
+    HONEST,
+    HOSTILE,
+    UNIFORM,
+    N,
+    _body_offset,
+    _map_payloads,
+    _metrics,
+    run_round,
+)
+from fedcomp.failures import Failure, RunFailed
+from fedcomp.flower.guards import best_loss, fail_if_not_learning, not_learning
+from fedcomp.flower.validation import ReplyError, check_reply
+from fedcomp.influence import (
+    DEFAULT_NORM_CAP,
+    MAX_NUM_EXAMPLES,
+    Influence,
+    clip_scales,
+    outliers,
+    reference_norm,
+    total_weight_is_finite,
+)
+from fedcomp.keys import (
+    KEY_NUM_EXAMPLES,
+    KEY_PROTOCOL,
+    KEY_ROUND,
+    KEY_STABLE_ID,
+    PROTOCOL_VERSION,
+    RECORD_HEADER,
+    RECORD_METRICS,
+    RECORD_PAYLOAD,
+)
+from fedcomp.rules import check_learnable
+
+# --------------------------------------------------------------------- the pure rules
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 13, 200])
+def test_the_reference_norm_is_the_lower_median_and_hostile_norms_cannot_lift_it(n):
+    rng = np.random.default_rng(n)
+    honest = list(rng.uniform(0.5, 2.0, n - n // 2))
+    ranked = sorted(honest)
+    # The ceil(n/2)-th smallest honest norm: what at most n // 2 hostile ones can reach.
+    ceiling = ranked[math.ceil(n / 2) - 1]
+    for hostile in ([1e30] * (n // 2), [0.0] * (n // 2), list(rng.uniform(0, 1e9, n // 2))):
+        norms = list(rng.permutation(honest + hostile))
+        assert reference_norm(norms) == sorted(norms)[(n - 1) // 2]
+        assert reference_norm(norms) <= ceiling
+    assert reference_norm([3.0]) is None and reference_norm([]) is None
+
+
+def test_clipping_brings_every_norm_within_the_cap_and_leaves_the_others_alone():
+    rng = np.random.default_rng(0)
+    norms = list(rng.lognormal(0, 2, 41))
+    factor = 3.0
+    cap = factor * sorted(norms)[20]
+    scales = clip_scales(norms, factor)
+    for norm, scale in zip(norms, scales, strict=True):
+        assert norm * scale <= cap * (1 + 1e-12)
+        assert (scale == 1.0) == (norm <= cap)
+        if norm > cap:
+            assert norm * scale == pytest.approx(cap, rel=1e-12)
+    # One update alone is measured against the fallback (the last round's reference).
+    assert clip_scales([50.0], factor, fallback=2.0) == [pytest.approx(6.0 / 50.0)]
+    assert clip_scales([50.0], factor) == [1.0]
+    assert clip_scales(norms, 0.0) == [1.0] * 41  # off
+
+
+def test_outliers_are_beyond_the_factor_times_the_reference_with_two_replies_too():
+    assert outliers([1.0, 1001.0], 1000.0) == [False, True]
+    assert outliers([1.0, 1000.0], 1000.0) == [False, False]  # the bound itself is in
+    assert outliers([5.0], 1000.0) == [False]
+
+
+def test_the_total_weight_must_be_finite_and_positive():
+    assert total_weight_is_finite([1.0, MAX_NUM_EXAMPLES])
+    assert not total_weight_is_finite([1e308, 1e308])
+    assert not total_weight_is_finite([0.0])
+
+
+def _content(weight, **metrics) -> RecordDict:
+    header = ConfigRecord({KEY_PROTOCOL: PROTOCOL_VERSION, KEY_STABLE_ID: 3, KEY_ROUND: 1})
+    return RecordDict(
+        {
+            RECORD_HEADER: header,
+            RECORD_METRICS: MetricRecord({KEY_NUM_EXAMPLES: weight, **metrics}),
+            RECORD_PAYLOAD: ArrayRecord(),
+        }
+    )
+
+
+def test_num_examples_is_checked_at_its_bounds():
+    bound = Influence().max_num_examples
+    assert check_reply(_content(bound), 3, 1)[2] == bound
+    assert check_reply(_content(1), 3, 1)[2] == 1.0
+    for bad in (np.nextafter(bound, math.inf), 0, -1, math.inf, math.nan, 1e308):
+        with pytest.raises(ReplyError) as info:
+            check_reply(_content(bad), 3, 1)
+        assert info.value.kind is Failure.BAD_WEIGHT
+    assert check_reply(_content(50.0), 3, 1, max_weight=50.0)[2] == 50.0
+    with pytest.raises(ReplyError):
+        check_reply(_content(51.0), 3, 1, max_weight=50.0)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, [1.0, 2.0], [0.5]])
+def test_train_metrics_must_be_finite_numbers(value):
+    with pytest.raises(ReplyError) as info:
+        check_reply(_content(10, train_loss=value), 3, 1)
+    assert info.value.kind is Failure.BAD_METRICS
+    assert check_reply(_content(10, train_loss=1e30), 3, 1)[2] == 10.0
+
+
+# ------------------------------------------------------------------- one round, in-process
+
+
+def _capture_inner(strategy_replies):
+    """An inner FedAvg that records the dense replies it is handed."""
+    from flwr.serverapp.strategy import FedAvg
+
+    class Recording(FedAvg):
+        def aggregate_train(self, server_round, replies):
+            replies = list(replies)
+            strategy_replies.extend(replies)
+            return super().aggregate_train(server_round, replies)
+
+    return Recording(fraction_evaluate=0.0)
+
+
+def _step(result, global_arrays) -> float:
+    return math.sqrt(
+        sum(
+            float(np.sum((np.asarray(result[k].numpy(), np.float64) - v) ** 2))
+            for k, v in global_arrays.items()
+            if v.dtype.kind == "f"
+        )
+    )
+
+
+def _honest_norms(num_clients, hostile):
+    """The honest clients' update norms of the round, from an honest run."""
+    handed = []
+    strategy, _, _ = run_round(
+        UNIFORM, None, num_clients=num_clients, hostile=hostile, inner=_capture_inner(handed)
+    )
+    global_arrays = strategy._initial_for_tests  # set below by the fixture wrapper
+    return [_step(m.content["arrays"], global_arrays) for m in handed]
+
+
+def _scaled(factor, weight=None):
+    """Every quantized block's scale multiplied by ``factor`` (and the weight claimed)."""
+
+    def behaviour(pid, reply, instruction):
+        def change(name, buf):
+            if buf[3] == 4:  # uniform: u8 bits, u8 0, u32 block, then float32 scales
+                body = _body_offset(buf)
+                numel = int(np.prod(struct.unpack_from(f"<{buf[5]}I", buf, 16)))
+                blocks = -(-numel // 256)
+                scales = struct.unpack_from(f"<{blocks}f", buf, body + 6)
+                struct.pack_into(f"<{blocks}f", buf, body + 6, *[s * factor for s in scales])
+
+        reply = _map_payloads(reply, instruction, change)
+        if weight is not None:
+            reply = _metrics(reply, instruction, lambda m: m.__setitem__(KEY_NUM_EXAMPLES, weight))
+        return reply
+
+    return behaviour
+
+
+@pytest.fixture(autouse=True)
+def _keep_initial(monkeypatch):
+    """Let the tests read the round's global model from the strategy."""
+    from fedcomp.flower.strategy import CompressedStrategy
+
+    original = CompressedStrategy.configure_train
+
+    def configure_train(self, server_round, arrays, config, grid):
+        self._initial_for_tests = {k: np.asarray(v.numpy()) for k, v in arrays.items()}
+        return original(self, server_round, arrays, config, grid)
+
+    monkeypatch.setattr(CompressedStrategy, "configure_train", configure_train)
+
+
+@pytest.mark.parametrize(
+    ("num_clients", "hostile", "factor", "weight"),
+    [
+        (N, (HOSTILE[0],), 500.0, MAX_NUM_EXAMPLES),  # finding 5: 1e15 then x500 scales
+        (N, (HOSTILE[0],), 50.0, MAX_NUM_EXAMPLES),  # clipped rather than rejected
+        (2, (1,), 1e30, None),  # finding 5: two clients, scales of 1e30
+        (2, (1,), 50.0, MAX_NUM_EXAMPLES),
+    ],
+    ids=["13-heavy-x500", "13-heavy-x50", "2-clients-1e30", "2-clients-x50"],
+)
+def test_one_client_moves_the_model_at_most_the_cap_times_an_honest_norm(
+    num_clients, hostile, factor, weight
+):
+    honest = _honest_norms(num_clients, hostile)
+    bound = DEFAULT_NORM_CAP * max(honest)
+    strategy, result, _ = run_round(
+        UNIFORM, _scaled(factor, weight), num_clients=num_clients, hostile=hostile
+    )
+    step = _step(result.arrays, strategy._initial_for_tests)
+    assert 0 < step <= bound * (1 + 1e-5), (step, bound)
+    record = strategy.rounds[0]  # clipped (norm_cap), or rejected (reject_factor)
+    assert record["clipped"] + record["rejected"].get(Failure.OUTLIER, 0) == len(hostile)
+    # Without the norm rule the same client moves it far beyond that: the test can fail.
+    off = Influence(norm_cap=0.0, reject_factor=0.0)
+    strategy, result, _ = run_round(
+        UNIFORM, _scaled(factor, weight), num_clients=num_clients, hostile=hostile, influence=off
+    )
+    assert _step(result.arrays, strategy._initial_for_tests) > bound
+
+
+def test_the_default_norm_rule_does_not_bind_on_an_honest_round():
+    strategy, honest, _ = run_round(UNIFORM, None)
+    assert strategy.rounds[0]["clipped"] == 0
+    _, unbounded, _ = run_round(UNIFORM, None, influence=Influence(norm_cap=0.0))
+    for name in honest.arrays.keys():
+        assert np.array_equal(honest.arrays[name].numpy(), unbounded.arrays[name].numpy())
+
+
+@pytest.mark.parametrize("handoff", ["per_client", "pre_aggregated"])
+def test_a_failing_inner_strategy_fails_the_round_not_the_run(handoff, caplog):
+    from flwr.serverapp.strategy import FedAvg
+
+    def broken(self, server_round, replies):
+        raise KeyError("inner strategy bug")
+
+    # Named FedAvg: the pre-aggregated hand-off accepts mean-based strategies by name.
+    Broken = type("FedAvg", (FedAvg,), {"aggregate_train": broken})
+    caplog.set_level(logging.ERROR, logger="fedcomp.flower.strategy")
+    inner = Broken(fraction_evaluate=0.0)
+    # Every round failed: the run ends with RunFailed naming why, not a traceback.
+    with pytest.raises(RunFailed, match=r"every round was discarded.*of the 2 round.*inner_failed 2"):
+        run_round(UNIFORM, None, handoff=handoff, inner=inner, rounds=2)
+    assert sum("failed to aggregate" in m for m in caplog.messages) == 2
+    # One failed round among good ones fails that round only: the model is kept there.
+    failing = {2}
+
+    def sometimes(self, server_round, replies):
+        if server_round in failing:
+            raise KeyError("inner strategy bug")
+        return FedAvg.aggregate_train(self, server_round, replies)
+
+    Flaky = type("FedAvg", (FedAvg,), {"aggregate_train": sometimes})
+    strategy, result, _ = run_round(
+        UNIFORM, None, handoff=handoff, inner=Flaky(fraction_evaluate=0.0), rounds=2
+    )
+    assert [r.get("inner_failed") for r in strategy.rounds] == [None, 1]
+    for name, value in strategy._initial_for_tests.items():  # round 2 kept round 1's model
+        assert np.array_equal(result.arrays[name].numpy(), value)
+
+
+@pytest.mark.parametrize("handoff", ["per_client", "pre_aggregated"])
+def test_train_metric_misfits_are_set_aside_in_both_modes(handoff):
+    strategy, _, _ = run_round(
+        UNIFORM,
+        lambda pid, r, i: _metrics(r, i, lambda m: m.__setitem__("surprise", 1.0)),
+        handoff=handoff,
+    )
+    assert strategy.rounds[0]["rejected"] == {Failure.BAD_METRICS: len(HOSTILE)}
+    assert strategy.rounds[0]["replied"] == len(HONEST)
+
+
+def test_a_tie_between_metric_key_sets_sets_every_reply_aside():
+    """Two clients, one with one more metric name: neither is a majority, and a client
+    choosing its names must not win a tie (with two clients it would be alone)."""
+    strategy, _, _ = run_round(
+        UNIFORM,
+        lambda pid, r, i: _metrics(r, i, lambda m: m.__setitem__("a", 1.0)),
+        num_clients=2,
+        hostile=(1,),
+        rounds=2,
+    )
+    assert strategy.rounds[1]["rejected"] == {Failure.BAD_METRICS: 2}
+    assert strategy.rounds[1]["replied"] == 0
+
+
+# ------------------------------------------------------------------ no silent failure
+
+
+def test_not_learning_is_judged_from_the_definition():
+    initial = {"loss": 2.30, "accuracy": 0.056}
+    assert not_learning(initial, {"loss": 0.5, "accuracy": 0.9}, 0.05) is None
+    # FedMedian on sparse updates: loss flat (0.3% lower), accuracy at one class of ten.
+    assert "accuracy" in not_learning(initial, {"loss": 2.293, "accuracy": 0.1003}, 0.05)
+    assert "loss" in not_learning(initial, {"loss": 2.293, "accuracy": 0.9}, 0.05)
+    # Boundaries: exactly the margin counts as learning, one ulp short does not.
+    edge = {"loss": (1 - 0.05) * 2.30, "accuracy": 0.056 + 0.05}
+    assert not_learning(initial, edge, 0.05) is None
+    short = {"loss": np.nextafter(edge["loss"], 9.0), "accuracy": edge["accuracy"]}
+    assert not_learning(initial, short, 0.05) is not None
+    assert not_learning({}, {"loss": 9.0}, 0.05) is None  # nothing to judge
+    with pytest.raises(RunFailed, match=r"did not learn.*round 4.*my cause"):
+        fail_if_not_learning(
+            initial, [{"round": 4, "loss": 67.4, "accuracy": 0.114}], 0.05, "my cause"
+        )
+
+
+def test_the_best_loss_so_far_includes_the_initial_model():
+    rounds = [{"loss": 1.5}, {"loss": None}, {"loss": 0.7}, {"loss": math.inf}]
+    assert best_loss(2.3, rounds) == 0.7
+    assert best_loss(None, []) is None
+
+
+def test_a_run_that_does_not_learn_fails_and_flags_its_loss(caplog):
+    """A central evaluation whose loss rises (initial 2.3, then 1.0, 5.0, 9.0): the
+    round lines of rounds 2 and 3 say LOSS 5.0x and 9.0x ITS BEST, and start() raises
+    RunFailed."""
+    from fedcomp.flower.strategy import CompressedStrategy
+
+    losses = iter([2.3, 1.0, 5.0, 9.0])
+    original = CompressedStrategy.start
+
+    def start(self, **kwargs):
+        def evaluate_fn(server_round, arrays):
+            return MetricRecord({"loss": next(losses), "accuracy": 0.1})
+
+        return original(self, **kwargs, evaluate_fn=evaluate_fn)
+
+    caplog.set_level(logging.WARNING, logger="fedcomp.flower.strategy")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(CompressedStrategy, "start", start)
+        with pytest.raises(RunFailed, match="did not learn"):
+            run_round(UNIFORM, None, rounds=3)
+    flagged = [m for m in caplog.messages if "ITS BEST SO FAR" in m]
+    assert len(flagged) == 2 and "LOSS 5.0x" in flagged[0] and "LOSS 9.0x" in flagged[1]
+
+
+@pytest.mark.parametrize(
+    ("codec", "strategy"),
+    [
+        ({"name": "ef", "inner": "topk", "fraction": 0.01}, "fedmedian"),
+        ({"name": "topk", "fraction": 0.01}, "fedtrimmedavg"),
+        ({"name": "randk", "fraction": 0.01}, "fedmedian"),
+        ({"name": "dgc", "inner": "sparseq", "fraction": 0.01}, "fedmedian"),
+    ],
+)
+def test_sparse_codecs_under_a_coordinatewise_median_are_refused(codec, strategy):
+    with pytest.raises(ValueError, match=f"invalid setting strategy.name='{strategy}'.*regime"):
+        check_learnable(codec, strategy, regime_check=True)
+    check_learnable(codec, strategy, regime_check=False)  # the override
+    check_learnable(codec, "fedavg", regime_check=True)
+    check_learnable({"name": "uniform", "bits": 8}, strategy, regime_check=True)
+
+
+def test_a_bad_setting_is_one_line_and_exit_status_2(tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "experiments.run",
+            "aggregation.chunk_size=1024",
+            "num_rounds=1",
+            f"hydra.run.dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert lines == [lines[0]] and lines[0].startswith(
+        "error: invalid setting aggregation.chunk_size=1024: "
+    ), proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
