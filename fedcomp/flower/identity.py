@@ -377,8 +377,9 @@ class StableIds:
         holder = self._by_stable.get(stable_id)
         if holder is not None and holder != node_id and holder in connected:
             raise IdentityRefused(
-                f"stable id {stable_id} is held by connected node {holder}; give each "
-                'SuperNode its own --node-config "partition-id=<i>" (or stable-id=<i>)',
+                f"nodes {holder} and {node_id} both claim stable id {stable_id} (node "
+                f"{holder} holds it); give each SuperNode its own --node-config "
+                '"partition-id=<i>" (or stable-id=<i>)',
                 IdentityFailure.TAKEN,
                 claimed=stable_id,
             )
