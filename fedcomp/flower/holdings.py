@@ -16,7 +16,7 @@ from __future__ import annotations
 from flwr.app import Message
 from flwr.serverapp import Grid
 
-from fedcomp.flower.identity import StableIds
+from fedcomp.flower.identity import DEFAULT_REPLY_TIMEOUT, StableIds
 from fedcomp.flower.replica import ReplicaSender
 from fedcomp.flower.shared_settings import SharedSettings
 from fedcomp.keys import KEY_HANDLES, RECORD_HEADER
@@ -24,10 +24,20 @@ from fedcomp.traffic import Traffic
 
 
 class ClientHoldings:
-    """Stable ids, declared message kinds, held settings, replicas and acks."""
+    """Stable ids, declared message kinds, held settings, replicas and acks.
 
-    def __init__(self, shared: SharedSettings, replicas: ReplicaSender | None) -> None:
-        self.ids = StableIds()
+    ``reply_timeout`` and ``bind_keys`` are :class:`~fedcomp.flower.identity.StableIds`'s.
+    """
+
+    def __init__(
+        self,
+        shared: SharedSettings,
+        replicas: ReplicaSender | None,
+        *,
+        reply_timeout: float = DEFAULT_REPLY_TIMEOUT,
+        bind_keys: bool = False,
+    ) -> None:
+        self.ids = StableIds(reply_timeout=reply_timeout, bind_keys=bind_keys)
         self.shared = shared
         self.replicas = replicas
         #: The message kinds each client's mod said it handles.

@@ -74,6 +74,7 @@ from fedcomp.flower.guards import (
 )
 from fedcomp.flower.handoff import make_handoff
 from fedcomp.flower.holdings import ClientHoldings
+from fedcomp.flower.identity import DEFAULT_REPLY_TIMEOUT
 from fedcomp.flower.inner_state import inner_state_dict, load_inner_state_dict
 from fedcomp.flower.instructions import Instructions, Sampling, sample
 from fedcomp.flower.joint import plan_round
@@ -130,6 +131,12 @@ class CompressedStrategy(Strategy):
         line shows.
     identity_timeout : float
         Seconds to wait for the inner strategy's ``min_available_nodes`` nodes.
+    identity_reply_timeout : float
+        Seconds a round waits for identity replies (a node that misses it is asked
+        again after 1, 2, 4, ... rounds; fedcomp.flower.identity.StableIds).
+    bind_keys : bool
+        Bind each stable id to its first SuperNode's public key (with SuperNode
+        authentication only; docs/deployment.md).
     """
 
     def __init__(
@@ -145,6 +152,8 @@ class CompressedStrategy(Strategy):
         policy: TensorPolicy | None = None,
         reporting: Reporting | None = None,
         identity_timeout: float = 600.0,
+        identity_reply_timeout: float = DEFAULT_REPLY_TIMEOUT,
+        bind_keys: bool = False,
     ) -> None:
         if not isinstance(strategy, Strategy):
             raise TypeError(f"strategy must be a Flower Strategy, found {type(strategy)}")
@@ -156,6 +165,8 @@ class CompressedStrategy(Strategy):
         self.influence = influence or Influence()
         self.reporting = reporting or Reporting()
         self.identity_timeout = identity_timeout
+        self.identity_reply_timeout = identity_reply_timeout
+        self.bind_keys = bind_keys
         # The same rules, and messages, as the settings check before Ray starts.
         check_server_options(
             codec_name=str(codec.get("name")),
@@ -213,7 +224,12 @@ class CompressedStrategy(Strategy):
         )
         #: Downlink replicas (None: the full fp32 model in every instruction, as Flower).
         self.replicas = ReplicaSender.of(self.downlink, self.policy, self.run_seed)
-        self.clients = ClientHoldings(self.instructions.shared, self.replicas)
+        self.clients = ClientHoldings(
+            self.instructions.shared,
+            self.replicas,
+            reply_timeout=self.identity_reply_timeout,
+            bind_keys=self.bind_keys,
+        )
         self.tree_stats = TreeStats()
         self.decoder = ReplyDecoder(
             self.codec,
