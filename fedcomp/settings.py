@@ -320,6 +320,14 @@ class Settings:
     #: ``learning_margin`` above the initial.
     learning_check: bool = True
     learning_margin: float = 0.05
+    #: Bind each stable id to the public key of the SuperNode that first claims it
+    #: (CompressedStrategy's bind_keys; docs/deployment.md): only with SuperNode
+    #: authentication, where a node keeps its key across restarts. The deployment
+    #: launcher sets it when deployment.auth.enabled.
+    bind_keys: bool = False
+    #: Seconds the server waits for the identity replies of newly connected nodes (a
+    #: node that does not answer is asked again later, with backoff).
+    identity_reply_timeout: float = 30.0
 
 
 # ---------------------------------------------------------------------------------
@@ -465,6 +473,8 @@ def validate(settings: Settings) -> Settings:
     check_learnable(s.codec, str(s.strategy["name"]), regime_check=s.regime_check)
     if not 0 <= s.learning_margin < 1:
         _fail("learning_margin", s.learning_margin, "must be in [0, 1)")
+    if not (math.isfinite(s.identity_reply_timeout) and s.identity_reply_timeout > 0):
+        _fail("identity_reply_timeout", s.identity_reply_timeout, "must be > 0 seconds")
     a = s.aggregation
     check_server_options(
         codec_name=str(s.codec["name"]),

@@ -161,6 +161,10 @@ def build_strategy(
             learning_margin=settings.learning_margin,
         ),
         identity_timeout=settings.simulation.round_timeout,
+        identity_reply_timeout=min(
+            settings.identity_reply_timeout, settings.simulation.round_timeout
+        ),
+        bind_keys=settings.bind_keys,
     )
 
 

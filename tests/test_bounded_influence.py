@@ -251,7 +251,9 @@ def test_a_failing_inner_strategy_fails_the_round_not_the_run(handoff, caplog):
     caplog.set_level(logging.ERROR, logger="fedcomp.flower.strategy")
     inner = Broken(fraction_evaluate=0.0)
     # Every round failed: the run ends with RunFailed naming why, not a traceback.
-    with pytest.raises(RunFailed, match=r"every round was discarded.*of the 2 round.*inner_failed 2"):
+    with pytest.raises(
+        RunFailed, match=r"every round was discarded.*of the 2 round.*inner_failed 2"
+    ):
         run_round(UNIFORM, None, handoff=handoff, inner=inner, rounds=2)
     assert sum("failed to aggregate" in m for m in caplog.messages) == 2
     # One failed round among good ones fails that round only: the model is kept there.

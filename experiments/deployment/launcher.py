@@ -170,6 +170,8 @@ def launch(
     from experiments.simulate import absolute_paths, preflight
 
     settings = absolute_paths(validate(replace(settings, results_path=str(results_path))))
+    if deployment.auth.enabled:  # nodes keep their keys: bind each stable id to one
+        settings = replace(settings, bind_keys=True)
     validate_deployment(deployment, settings.num_clients)
     preflight(settings, ray=False)  # data sizes, codec and strategy specs, devices
     needs_gpus = deployment.supernodes.gpus != 0
