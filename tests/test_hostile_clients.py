@@ -171,3 +171,23 @@ def test_a_run_that_accepted_no_reply_fails_loudly(caplog):
     with pytest.raises(RuntimeError, match=rf"in any of the 2 .*missing_mod {every}\b"):
         run_round(UNIFORM, None, rounds=2, tamper=lambda pid, r, i: tamper(pid % 3 + 10, r, i))
     assert sum("NO REPLY ACCEPTED" in m for m in caplog.messages) == 2
+
+
+def test_a_header_the_server_cannot_note_is_that_clients_problem(monkeypatch, caplog):
+    """Whatever noting a reply's header raises (here injected for the hostile clients)
+    costs that client what the server knew it holds, and the round goes on."""
+    from fedcomp.flower.shared_settings import SharedSettings
+
+    original = SharedSettings.note_reply
+
+    def fragile(self, client, header):
+        if client in HOSTILE:
+            raise TypeError("unexpected header value")
+        return original(self, client, header)
+
+    monkeypatch.setattr(SharedSettings, "note_reply", fragile)
+    caplog.set_level(logging.WARNING, logger="fedcomp.flower.strategy")
+    strategy, _, _ = run_round(UNIFORM, None, tamper=lambda pid, r, i: r)
+    assert strategy.rounds[0]["replied"] == N
+    assert sum("reply header not understood" in m for m in caplog.messages) == len(HOSTILE)
+    assert not any(sid in strategy.clients.shared.held for sid in HOSTILE)

@@ -13,6 +13,8 @@ an error reply makes its settings and replica unknown.
 
 from __future__ import annotations
 
+import logging
+
 from flwr.app import Message
 from flwr.serverapp import Grid
 
@@ -21,6 +23,8 @@ from fedcomp.flower.replica import ReplicaSender
 from fedcomp.flower.shared_settings import SharedSettings
 from fedcomp.keys import KEY_HANDLES, RECORD_HEADER
 from fedcomp.traffic import Traffic
+
+log = logging.getLogger("fedcomp.flower.strategy")  # one logger for the wrapper's lines
 
 
 class ClientHoldings:
@@ -76,15 +80,23 @@ class ClientHoldings:
             sid = self.ids.stable_of(msg.metadata.src_node_id)
             if sid is None:
                 continue
-            if self.replicas is not None:
-                self.replicas.note_reply(sid, msg)
-            if msg.has_error():
-                self.shared.forget(sid)
-                continue
-            header = msg.content.config_records.get(RECORD_HEADER)
-            self.shared.note_reply(sid, header)
-            if header is not None and KEY_HANDLES in header:
-                self.handles[sid] = frozenset(str(header[KEY_HANDLES]).split(","))
+            try:
+                self._note_reply(sid, msg)
+            except Exception as exc:  # one client's odd header is that client's problem
+                log.warning("client %d: reply header not understood (%r): holds nothing", sid, exc)
+                self.forget(sid)
+
+    def _note_reply(self, sid: int, msg: Message) -> None:
+        """What one reply's header says its client holds."""
+        if self.replicas is not None:
+            self.replicas.note_reply(sid, msg)
+        if msg.has_error():
+            self.shared.forget(sid)
+            return
+        header = msg.content.config_records.get(RECORD_HEADER)
+        self.shared.note_reply(sid, header)
+        if header is not None and KEY_HANDLES in header:
+            self.handles[sid] = frozenset(str(header[KEY_HANDLES]).split(","))
 
     def forget_all_replicas(self) -> None:
         """A resumed run is a new Flower run: every client's Context.state starts
