@@ -541,6 +541,7 @@ class CompressedStrategy(Strategy):
             "initial_evaluation": self.initial_evaluation,
             "completed_round": self.rounds[-1]["round"] if self.rounds else 0,
             "broadcast": self.replicas.server.state_dict() if self.replicas else None,
+            "reference_norm": self._reference_norm,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -550,6 +551,7 @@ class CompressedStrategy(Strategy):
         self.rounds = list(state["rounds"])
         self.initial_evaluation = state["initial_evaluation"]
         self._completed_round = int(state["completed_round"])
+        self._reference_norm = state.get("reference_norm")
         self.clients.accepted_round = {int(k): int(v) for k, v in state["accepted_round"].items()}
         if self.cv is not None and state.get("cv") is not None:
             self.cv.load_state_dict(state["cv"])
