@@ -2,20 +2,25 @@
 
 ``make_client_app()`` builds it (simulation uses the factory directly); the
 module-level ``app`` is what ``flwr run`` and the Deployment Engine load. Every
-setting it needs arrives in the message config (``KEY_TASK``), never in globals.
+setting it needs arrives in the message config (``KEY_TASK``), never in globals,
+except the paths it reads and writes: those are the client's own (clients.paths:
+the node config, or the ``paths`` given to the factory), whatever the task says.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+from contextvars import ContextVar
 
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
-from flwr.clientapp.typing import Mod
+from flwr.clientapp.typing import ClientAppCallable, Mod
 
 from clients.faults import FaultMod, NaNFaultMod
+from clients.paths import ClientPaths, resolve, task_paths, with_paths
 from fedcomp.codecs import TensorPolicy
 from fedcomp.data import client_datasets
 from fedcomp.diagnostics import write_update
@@ -38,19 +43,69 @@ METRIC_EVAL_LOSS = "eval_loss"
 METRIC_EVAL_ACC = "eval_acc"
 METRIC_TRAIN_LOSS = "train_loss"
 
+log = logging.getLogger(__name__)
+
+#: The paths of the message being handled, set by LocalPathsMod around the call
+#: (CompressionMod's state_dir hook sees the message only, not the node config).
+_NO_PATHS = ClientPaths()  # frozen: a shared default is safe
+_PATHS: ContextVar[ClientPaths] = ContextVar("fedcomp_client_paths", default=_NO_PATHS)
+
+
+class LocalPathsMod:
+    """Outermost mod: the client's own paths (its node config over the factory's
+    ``paths``) for the duration of one message; the task's paths are ignored, with a
+    warning the first time a task names one that differs."""
+
+    def __init__(self, paths: ClientPaths | None = None) -> None:
+        self.paths = paths or ClientPaths()
+        self._warned = False
+
+    def __call__(self, msg: Message, ctxt: Context, call_next: ClientAppCallable) -> Message:
+        paths = resolve(ctxt.node_config, self.paths)
+        self._warn_once(msg, paths)
+        token = _PATHS.set(paths)
+        try:
+            return call_next(msg, ctxt)
+        finally:
+            _PATHS.reset(token)
+
+    def _warn_once(self, msg: Message, paths: ClientPaths) -> None:
+        config = _task_config(msg)
+        if self._warned or config is None:
+            return
+        try:
+            tree = json.loads(str(config[KEY_TASK]))
+        except ValueError:
+            return  # a malformed task fails in _task, naming it
+        own = task_paths(with_paths(tree, paths)) if isinstance(tree, dict) else {}
+        named = task_paths(tree) if isinstance(tree, dict) else {}
+        ignored = {k: v for k, v in named.items() if own.get(k) != v}
+        if ignored:
+            self._warned = True
+            log.warning(
+                "the server's task names client paths (%s); ignored: this client reads and "
+                "writes only the paths of its own node config (data-path, client-state-dir, "
+                "diagnostics-dir) or local settings",
+                ", ".join(f"{k}={v!r}" for k, v in sorted(ignored.items())),
+            )
+
 
 def _task_config(msg: Message) -> ConfigRecord | None:
     return next((c for c in msg.content.config_records.values() if KEY_TASK in c), None)
 
 
 def _task(msg: Message) -> Settings:
+    """The task's settings with the paths replaced by this client's own."""
     config = _task_config(msg)
     if config is None:
         raise ValueError(
             f"instruction has no '{KEY_TASK}' config: this ClientApp is driven by "
             "fedcomp.flower.strategy.CompressedStrategy"
         )
-    return validate(settings_from_dict(json.loads(str(config[KEY_TASK]))))
+    tree = json.loads(str(config[KEY_TASK]))
+    if not isinstance(tree, dict):
+        raise ValueError(f"the '{KEY_TASK}' config is not a settings object: {tree!r:.80}")
+    return validate(settings_from_dict(with_paths(tree, _PATHS.get())))
 
 
 def _round(msg: Message) -> int:
@@ -66,11 +121,10 @@ def _model_from(msg: Message, task: Settings) -> torch.nn.Module:
 
 
 def _client_state_dir(msg: Message) -> str | None:
-    """Where the run keeps client codec memories on disk (settings.client_state_dir)."""
-    config = _task_config(msg)
-    if config is None:
-        return None
-    return json.loads(str(config[KEY_TASK])).get("client_state_dir") or None
+    """Where this client keeps its codec memories on disk: its own client-state-dir,
+    never the task's (``msg`` is unused: CompressionMod's hook signature)."""
+    del msg
+    return _PATHS.get().state_dir or None
 
 
 def _client_state_in_context(msg: Message) -> bool:
@@ -92,13 +146,17 @@ def _initial_model(msg: Message) -> ArrayRecord:
 
 
 def make_client_app(
-    policy: TensorPolicy | None = None, inner_mods: list[Mod] | None = None
+    policy: TensorPolicy | None = None,
+    inner_mods: list[Mod] | None = None,
+    paths: ClientPaths | None = None,
 ) -> ClientApp:
     """Build the example ClientApp with the compression mod outermost.
 
     ``inner_mods`` wrap the train handler only, inside the compression mod, so they
     see the dense reply (e.g. Flower's ``fixedclipping_mod`` for client-side DP
-    clipping, which expects a model in every message it sees).
+    clipping, which expects a model in every message it sees). ``paths``: where the
+    clients read data and write state when their node config names no path
+    (simulation: ``clients.paths.paths_of(settings)``); never the server's task.
     """
     # Fault injection (inactive unless faults.* rates are set): outside the compression
     # mod for crashes, drops and corrupt payloads, inside it for NaN models.
@@ -108,7 +166,7 @@ def make_client_app(
         state_in_context=_client_state_in_context,
         initial_model=_initial_model,
     )
-    app = ClientApp(mods=[FaultMod(), mod])
+    app = ClientApp(mods=[LocalPathsMod(paths), FaultMod(), mod])
 
     @app.train(mods=[NaNFaultMod(), *(inner_mods or [])])
     def train(msg: Message, context: Context) -> Message:

@@ -63,6 +63,7 @@ def preset_settings(name: str, *overrides: str) -> list[Settings]:
 def run_inprocess(settings: Settings) -> dict:
     """The real ClientApp and ServerApp, one process, no Ray."""
     from clients.client_app import make_client_app
+    from clients.paths import paths_of
     from experiments.inprocess import InProcessGrid, set_task_identity
     from experiments.simulate import check_simulation_state
     from strategies.server_app import run_server
@@ -71,7 +72,10 @@ def run_inprocess(settings: Settings) -> dict:
     set_task_identity()
     ids = [10_000 + i for i in range(settings.num_clients)]
     return run_server(
-        InProcessGrid(make_client_app(), settings.num_clients, node_ids=ids), settings
+        InProcessGrid(
+            make_client_app(paths=paths_of(settings)), settings.num_clients, node_ids=ids
+        ),
+        settings,
     )
 
 

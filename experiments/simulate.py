@@ -162,6 +162,7 @@ def simulate(settings: Settings, *, verbose: bool = False) -> dict[str, Any]:
     from flwr.simulation import run_simulation
 
     from clients.client_app import make_client_app
+    from clients.paths import paths_of
     from strategies.server_app import make_server_app
 
     holder: dict[str, Any] = {}
@@ -170,7 +171,8 @@ def simulate(settings: Settings, *, verbose: bool = False) -> dict[str, Any]:
         del config["init_args"]["num_gpus"]
     run_simulation(
         server_app=make_server_app(settings, on_results=holder.update),
-        client_app=make_client_app(),
+        # the clients' paths from these local settings, never the server's task
+        client_app=make_client_app(paths=paths_of(settings)),
         num_supernodes=settings.num_clients,
         backend_config=config,
     )

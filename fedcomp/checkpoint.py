@@ -1,25 +1,31 @@
 """Whole-run checkpoints: the global model, the strategy's state and the round records
 after every round, so ``resume=<run dir>`` continues a stopped run.
 
-Layout in ``<run dir>/checkpoint/``: ``model.npz`` (the global arrays) and
-``state.pkl`` (round number, the settings, and the wrapper's state as plain data: the
-inner Flower strategy's state through an explicit adapter, never the pickled object;
-the round records and the initial evaluation). Both are written to temporary files and
-renamed, ``state.pkl`` last: it names the round the model belongs to, so a crash while
-writing leaves the previous complete checkpoint. The counter-based randomness needs
-nothing saved. ``state.pkl`` is a pickle: load only checkpoints you wrote yourself.
+Layout in ``<run dir>/checkpoint/``: ``model-<round>.npz`` (the global arrays),
+``state-<round>.npz`` (the arrays inside the strategy's state) and ``state.json``
+(format, round number, the settings, and the wrapper's state as plain data: the inner
+Flower strategy's state through an explicit adapter; the round records and the initial
+evaluation), the arrays in it replaced by references into ``state-<round>.npz``
+(:mod:`fedcomp.plaindata`, exact for int dict keys, tuples, NaN and numpy scalars).
+Nothing is pickled: both ``.npz`` files load with ``allow_pickle=False``. Every file is
+written to a temporary file and renamed, ``state.json`` last: it names the round the
+other two belong to, so a crash while writing leaves the previous complete checkpoint.
+The counter-based randomness needs nothing saved.
 """
 
 from __future__ import annotations
 
+import json
 import os
-import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from fedcomp.npzfile import write_npz_atomic
+from fedcomp.plaindata import PlainDataError, decode, encode
 
 #: Settings that may differ between the stopped run and its continuation.
 RESUMABLE_DIFFERENCES = (
@@ -31,6 +37,11 @@ RESUMABLE_DIFFERENCES = (
     "client_state_dir",
     "client_state",
 )
+#: ``state.json``'s ``format`` (a later layout changes the number).
+FORMAT = "fedcomp-checkpoint-2"
+STATE_FILE = "state.json"
+#: The pickle the first formats wrote: refused, never opened.
+OLD_STATE_FILE = "state.pkl"
 
 
 @dataclass
@@ -47,55 +58,99 @@ def checkpoint_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoint"
 
 
+def _model_file(round_: int) -> str:
+    return f"model-{round_:05d}.npz"
+
+
+def _arrays_file(round_: int) -> str:
+    return f"state-{round_:05d}.npz"
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
 def save_checkpoint(run_dir: str | Path, ckpt: Checkpoint) -> None:
-    """Write a checkpoint atomically (model first, then the state that names it)."""
+    """Write a checkpoint atomically (the model and state arrays first, then the state
+    file that names their round).
+
+    Raises
+    ------
+    fedcomp.plaindata.PlainDataError
+        When the state holds a value that is not plain data (naming where).
+    """
     folder = checkpoint_dir(run_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / "model.tmp.npz"
-    np.savez(tmp, **ckpt.arrays)
-    os.replace(tmp, folder / f"model-{ckpt.round:05d}.npz")
-    state = {
-        "round": ckpt.round,
-        "strategy": ckpt.strategy,
-        "settings": ckpt.settings,
-    }
-    tmp = folder / "state.tmp.pkl"
-    with open(tmp, "wb") as fh:
-        pickle.dump(state, fh, protocol=pickle.HIGHEST_PROTOCOL)
-    os.replace(tmp, folder / "state.pkl")
-    for old in folder.glob("model-*.npz"):  # keep only the model the state names
-        if old.name != f"model-{ckpt.round:05d}.npz":
+    tree, state_arrays = encode({"strategy": ckpt.strategy, "settings": ckpt.settings})
+    # allow_nan=False: encode() tags non-finite floats, so strict JSON suffices
+    text = json.dumps({"format": FORMAT, "round": ckpt.round, "state": tree}, allow_nan=False)
+    write_npz_atomic(folder / _model_file(ckpt.round), ckpt.arrays)
+    write_npz_atomic(folder / _arrays_file(ckpt.round), state_arrays)
+    _write_text_atomic(folder / STATE_FILE, text)
+    keep = {_model_file(ckpt.round), _arrays_file(ckpt.round)}
+    for old in [*folder.glob("model-*.npz"), *folder.glob("state-*.npz")]:
+        if old.name not in keep:  # only the files the state names
             old.unlink(missing_ok=True)
 
 
+def _read_npz(path: Path, run_dir: str | Path) -> dict[str, np.ndarray]:
+    if not path.exists():
+        raise FileNotFoundError(f"resume={run_dir}: {path} is missing")
+    with np.load(path, allow_pickle=False) as data:
+        return {k: data[k] for k in data.files}
+
+
+def _read_state(folder: Path, run_dir: str | Path) -> dict[str, Any]:
+    state_path = folder / STATE_FILE
+    if not state_path.exists():
+        if (folder / OLD_STATE_FILE).exists():  # never opened: unpickling runs code
+            raise ValueError(
+                f"resume={run_dir}: {folder / OLD_STATE_FILE} is a checkpoint in the old "
+                f"pickle format, which this fedcomp does not load (loading a pickle runs "
+                f"code); rerun the job from the start to get a {STATE_FILE} checkpoint"
+            )
+        raise FileNotFoundError(
+            f"resume={run_dir}: no checkpoint at {state_path} (runs write one after every "
+            "round when they have a results_path; was this run started by experiments.run?)"
+        )
+    try:
+        state = json.loads(state_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"resume={run_dir}: {state_path} is not JSON ({exc})") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        found = state.get("format") if isinstance(state, dict) else type(state).__name__
+        raise ValueError(
+            f"resume={run_dir}: {state_path} has format {found!r}, this fedcomp reads "
+            f"{FORMAT!r}; rerun the job to resume it with this version"
+        )
+    if type(state.get("round")) is not int or state["round"] < 0:
+        raise ValueError(f"resume={run_dir}: {state_path} names round {state.get('round')!r}")
+    return state
+
+
 def load_checkpoint(run_dir: str | Path) -> Checkpoint:
-    """Read the checkpoint of a run directory.
+    """Read the checkpoint of a run directory (no pickle is ever loaded).
 
     Raises
     ------
     FileNotFoundError
         When the directory holds no complete checkpoint (naming what is missing).
+    ValueError
+        When it holds an old pickle checkpoint or a malformed one (naming the file).
     """
     folder = checkpoint_dir(run_dir)
-    state_path = folder / "state.pkl"
-    if not state_path.exists():
-        raise FileNotFoundError(
-            f"resume={run_dir}: no checkpoint at {state_path} (runs write one after every "
-            "round when they have a results_path; was this run started by experiments.run?)"
+    state = _read_state(folder, run_dir)
+    round_ = state["round"]
+    arrays = _read_npz(folder / _model_file(round_), run_dir)
+    state_arrays = _read_npz(folder / _arrays_file(round_), run_dir)
+    try:
+        tree = decode(state["state"], state_arrays)
+        return Checkpoint(
+            round=round_, arrays=arrays, strategy=tree["strategy"], settings=tree["settings"]
         )
-    with open(state_path, "rb") as fh:
-        state = pickle.load(fh)
-    if "inner" in state:  # the first format pickled the Flower strategy object itself
-        raise ValueError(
-            f"resume={run_dir}: this checkpoint was written by an older fedcomp (it holds "
-            "a pickled Flower strategy); rerun the job to resume it with this version"
-        )
-    model_path = folder / f"model-{state['round']:05d}.npz"
-    if not model_path.exists():
-        raise FileNotFoundError(f"resume={run_dir}: {model_path} is missing")
-    with np.load(model_path) as data:
-        arrays = {k: data[k] for k in data.files}
-    return Checkpoint(arrays=arrays, **state)
+    except (PlainDataError, KeyError, TypeError) as exc:
+        raise ValueError(f"resume={run_dir}: {folder / STATE_FILE} is malformed ({exc})") from None
 
 
 def check_compatible(saved: Mapping[str, Any], current: Mapping[str, Any]) -> None:

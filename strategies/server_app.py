@@ -44,7 +44,9 @@ from strategies.inner import make_inner_strategy
 
 log = logging.getLogger(__name__)
 
-#: Settings the ClientApp needs; sent to every client in its message config.
+#: Settings the ClientApp needs; sent to every client in its message config. Not the
+#: paths a client reads or writes (dataset.path, client_state_dir, diagnostics_dir):
+#: clients take those from their own node config or settings (clients.paths).
 CLIENT_TASK_KEYS = (
     "seed",
     "num_clients",
@@ -52,17 +54,17 @@ CLIENT_TASK_KEYS = (
     "partition",
     "model",
     "train",
-    "diagnostics_dir",
     "faults",
-    "client_state_dir",
     "client_state",
 )
 
 
 def client_task(settings: Settings) -> dict[str, Any]:
-    """The part of the settings a client needs, as a plain dict."""
+    """The part of the settings a client needs, as a plain dict (no paths)."""
     tree = settings_to_dict(settings)
-    return {k: tree[k] for k in CLIENT_TASK_KEYS}
+    task = {k: tree[k] for k in CLIENT_TASK_KEYS}
+    task["dataset"] = {k: v for k, v in task["dataset"].items() if k != "path"}
+    return task
 
 
 def make_evaluate_fn(settings: Settings) -> Callable[[int, ArrayRecord], MetricRecord]:

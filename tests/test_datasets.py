@@ -3,6 +3,7 @@ their partitions (sizes, label skew), and the errors for bad copies and settings
 
 from __future__ import annotations
 
+import os
 import pickle
 import shutil
 from pathlib import Path
@@ -225,6 +226,51 @@ def test_partial_and_corrupt_cifar_pickles(data_fixtures, tmp_path: Path) -> Non
     (corrupt / "test_batch").write_bytes(blob[: len(blob) // 2])
     with pytest.raises(DataError, match=r"test_batch' is not a readable CIFAR-10 python batch"):
         check_data_settings(_cifar(corrupt))
+
+
+class _Planted:
+    """Unpickling this calls ``call(arg)``: a CIFAR batch must never be able to."""
+
+    def __init__(self, call, arg):
+        self.call, self.arg = call, arg
+
+    def __reduce__(self):
+        return (self.call, (self.arg,))
+
+
+@pytest.mark.parametrize("how", ["os.system", "builtins.exec"])
+def test_a_cifar_batch_that_would_run_code_is_refused(data_fixtures, tmp_path, how) -> None:
+    marker = tmp_path / "pwned"
+    hostile = tmp_path / "hostile" / "cifar-10-batches-py"
+    shutil.copytree(data_fixtures["cifar_pickle"], hostile)
+    planted = (
+        _Planted(os.system, f"touch {marker}")
+        if how == "os.system"
+        else _Planted(exec, f"open({str(marker)!r}, 'w').close()")
+    )
+    batch = {b"data": planted, b"labels": [0]}
+    (hostile / "data_batch_2").write_bytes(pickle.dumps(batch, protocol=2))
+    with pytest.raises(DataError, match=r"data_batch_2' is not a readable.*refused the global"):
+        check_data_settings(_cifar(hostile))
+    assert not marker.exists()
+
+
+def test_cifar_batches_as_the_archive_writes_them_load(data_fixtures, tmp_path) -> None:
+    """The official archive was pickled by numpy 1 (numpy.core.multiarray), the
+    fixture by numpy 2 (numpy._core): the restricted unpickler reads both."""
+    archive = tmp_path / "archive" / "cifar-10-batches-py"
+    shutil.copytree(data_fixtures["cifar_pickle"], archive)
+    for name in ("data_batch_1", "test_batch"):
+        blob = (archive / name).read_bytes()
+        assert b"numpy._core.multiarray\n_reconstruct" in blob  # what is rewritten
+        old = blob.replace(b"numpy._core.multiarray", b"numpy.core.multiarray")
+        (archive / name).write_bytes(old)
+    ours = load_raw(_cifar(data_fixtures["cifar_pickle"]).dataset)
+    theirs = load_raw(_cifar(archive).dataset)
+    assert np.array_equal(ours.labels, theirs.labels)
+    rows = np.arange(len(ours.labels))
+    assert np.array_equal(ours.decode(rows), theirs.decode(rows))
+    assert np.array_equal(ours.test_mask, theirs.test_mask)
 
 
 def test_corrupt_or_partial_saved_datasets(data_fixtures, tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ import pytest
 from flwr.app import Message, MessageType
 
 from clients.client_app import make_client_app
+from clients.paths import ClientPaths
 from experiments.inprocess import InProcessGrid, Spy, initial_arrays
 from fedcomp.codecs import TensorPolicy, decode_bytes
 from fedcomp.downlink import (
@@ -526,7 +527,7 @@ def test_a_restarted_device_resumes_its_replica_from_its_state_dir(tmp_path) -> 
     settings = _settings(
         fraction_train=1.0, fraction_evaluate=0.0, num_rounds=3, client_state_dir=str(tmp_path)
     )
-    grid = InProcessGrid(make_client_app(), N)
+    grid = InProcessGrid(make_client_app(paths=ClientPaths(state_dir=str(tmp_path))), N)
     strategy = _strategy(settings)
     strategy.start(grid, initial_arrays(settings), num_rounds=2)
     assert len(list(tmp_path.glob("replica-*.npz"))) == N

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from clients.client_app import make_client_app
+from clients.paths import paths_of
 from experiments.inprocess import InProcessGrid
 from experiments.presets import compose_runs, preset_settings, run_inprocess, sweep_axes
 from experiments.run import CONF_DIR
@@ -459,7 +460,8 @@ def test_client_state_on_disk_keeps_context_state_empty_and_changes_nothing(tmp_
     # run's memories and replicas: a new run must not pick them up
     for name, settings in (("memory", memory), ("disk", disk), ("again", disk)):
         ids = [10_000 + i for i in range(settings.num_clients)]
-        grid = InProcessGrid(make_client_app(), settings.num_clients, node_ids=ids)
+        client = make_client_app(paths=paths_of(settings))
+        grid = InProcessGrid(client, settings.num_clients, node_ids=ids)
         runs[name] = (run_server(grid, settings), grid)
     (in_memory, grid_memory), (on_disk, grid_disk) = runs["memory"], runs["disk"]
     assert _round_numbers(on_disk) == _round_numbers(in_memory)

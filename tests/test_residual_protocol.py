@@ -11,6 +11,7 @@ import pytest
 from flwr.app import ArrayRecord, Message, MessageType
 
 from clients.client_app import make_client_app
+from clients.paths import ClientPaths
 from experiments.inprocess import InProcessGrid
 from fedcomp.controlvariates import Mirror
 from fedcomp.flower.identity import is_identity_message
@@ -274,7 +275,8 @@ def test_a_restarted_device_drops_the_reply_the_server_never_acknowledged(tmp_pa
     server's mirror (what applying the lost update would break)."""
     settings = _settings(client_state_dir=str(tmp_path))
     current = {"round": 0}
-    grid = InProcessGrid(make_client_app(), N, tamper=_drop({3: {1}}, current))
+    client = make_client_app(paths=ClientPaths(state_dir=str(tmp_path)))
+    grid = InProcessGrid(client, N, tamper=_drop({3: {1}}, current))
     strategy = _strategy(settings)
     _tracking(strategy, current)
     arrays = run_rounds(strategy, grid, _initial(settings), range(1, 4))

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from clients.client_app import make_client_app
+from clients.paths import paths_of
 from experiments.inprocess import InProcessGrid, set_task_identity
 from fedcomp.checkpoint import load_checkpoint
 from fedcomp.settings import settings_from_dict
@@ -34,7 +35,7 @@ def _run(tmp_path, name, *, rounds, codec, resume="", strategy="fedadam", client
             "client_state_dir": str(run_dir / "client_state") if client_state else "",
         }
     )
-    results = run_server(InProcessGrid(make_client_app(), N), settings)
+    results = run_server(InProcessGrid(make_client_app(paths=paths_of(settings)), N), settings)
     return results, load_checkpoint(run_dir)
 
 

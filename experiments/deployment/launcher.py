@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from clients.paths import node_config_of, paths_of
 from experiments.deployment.argv import (
     _public_keys,
     _tls_context,
@@ -175,7 +176,12 @@ def launch(
     validate_deployment(deployment, settings.num_clients)
     preflight(settings, ray=False)  # data sizes, codec and strategy specs, devices
     needs_gpus = deployment.supernodes.gpus != 0
-    specs = node_specs(deployment, settings.num_clients, available_gpus() if needs_gpus else [])
+    specs = node_specs(
+        deployment,
+        settings.num_clients,
+        available_gpus() if needs_gpus else [],
+        client_paths=node_config_of(paths_of(settings)),  # the ClientApps' own paths
+    )
     st = state or Launch(run_dir)
     deploy_dir = run_dir / "deploy"
     deploy_dir.mkdir(parents=True, exist_ok=True)

@@ -56,7 +56,9 @@ class SuperNodeSettings:
     #: 0: CPU only; n > 0: nodes take GPUs round-robin (CUDA_VISIBLE_DEVICES);
     #: -1: every GPU this host shows.
     gpus: int = 0
-    #: Extra node-config keys for every node (partition-id/num-partitions are set).
+    #: Extra node-config keys for every node (partition-id/num-partitions are set; so
+    #: are data-path, client-state-dir and diagnostics-dir from the job's dataset.path,
+    #: client_state_dir and diagnostics_dir when set, unless given here).
     node_config: dict[str, Any] = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)
     #: Each SuperNode writes every Fleet API call it makes (sizes of the HTTP bodies,
@@ -228,6 +230,7 @@ def node_specs(
     deployment: DeploymentSettings,
     num_clients: int,
     available_gpus: list[str],
+    client_paths: dict[str, str] | None = None,
 ) -> list[NodeSpec]:
     """One spec per SuperNode the launcher starts.
 
@@ -239,6 +242,10 @@ def node_specs(
     ----------
     available_gpus
         GPU ids of this host (:func:`gpu_ids`); the only hardware input.
+    client_paths
+        Node-config entries naming where every node's ClientApp reads data and writes
+        state (``clients.paths.node_config_of``): clients never take paths from the
+        server. ``supernodes.node_config`` overrides them key by key.
 
     Raises
     ------
@@ -265,7 +272,12 @@ def node_specs(
         specs.append(
             NodeSpec(
                 partition_id=i,
-                node_config={"partition-id": i, "num-partitions": num_clients, **sn.node_config},
+                node_config={
+                    "partition-id": i,
+                    "num-partitions": num_clients,
+                    **(client_paths or {}),
+                    **sn.node_config,
+                },
                 port=sn.ports[i] if sn.ports else 0,
                 env=env,
                 private_key=deployment.auth.private_keys[i] if deployment.auth.enabled else "",

@@ -14,11 +14,14 @@ Local copies, by format (``dataset.path``):
   e.g. ``plain_text/train-00000-of-00001.parquet``); a file whose name contains
   ``test`` belongs to the test split, every other file to the training split;
 - CIFAR-10 only: torchvision's ``cifar-10-batches-py`` directory (or its parent),
-  the python pickles ``data_batch_1`` .. ``data_batch_5`` and ``test_batch``.
+  the python pickles ``data_batch_1`` .. ``data_batch_5`` and ``test_batch``, read
+  by an unpickler that refuses every global but numpy's array reconstruction (a
+  planted file cannot run code).
 """
 
 from __future__ import annotations
 
+import codecs
 import io
 import os
 import pickle
@@ -349,11 +352,44 @@ def _cifar_batches_dir(path: Path) -> Path | None:
     return None
 
 
+def _latin1(text: str, encoding: str) -> bytes:
+    """``_codecs.encode`` as protocol-2 pickles of bytes use it, and nothing else."""
+    if not isinstance(text, str) or encoding != "latin1":
+        raise pickle.UnpicklingError(f"refuses _codecs.encode(..., {encoding!r})")
+    return codecs.encode(text, "latin1")
+
+
+#: The only globals a CIFAR-10 python batch names: numpy's array reconstruction (the
+#: archive was written by numpy 1 as ``numpy.core``, numpy 2 writes ``numpy._core``)
+#: and, in batches written by Python 3 with protocol 2, ``_codecs.encode`` for bytes.
+_CIFAR_GLOBALS: dict[tuple[str, str], object] = {
+    ("numpy.core.multiarray", "_reconstruct"): np.ndarray((0,)).__reduce__()[0],
+    ("numpy._core.multiarray", "_reconstruct"): np.ndarray((0,)).__reduce__()[0],
+    ("numpy", "ndarray"): np.ndarray,
+    ("numpy", "dtype"): np.dtype,
+    ("_codecs", "encode"): _latin1,
+}
+
+
+class _CifarUnpickler(pickle.Unpickler):
+    """Loads a CIFAR-10 batch (dicts, lists, bytes, ints, numpy arrays) and refuses any
+    other global, so a planted file cannot run code (a plain pickle.load would)."""
+
+    def find_class(self, module: str, name: str) -> object:
+        found = _CIFAR_GLOBALS.get((module, name))
+        if found is None:
+            raise pickle.UnpicklingError(
+                f"refused the global {module}.{name}: a CIFAR-10 batch holds only dicts, "
+                "lists, bytes, numbers and numpy arrays"
+            )
+        return found
+
+
 def _read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
     try:
         with path.open("rb") as fh:
-            # The format of the official archive (trusted input: the user's own copy).
-            batch = pickle.load(fh, encoding="bytes")
+            # The official archive's format, through an unpickler that builds only it.
+            batch = _CifarUnpickler(fh, encoding="bytes").load()
         data = np.asarray(batch[b"data"], dtype=np.uint8)
         labels = np.asarray(batch[b"labels"], dtype=np.int64)
     except Exception as exc:
