@@ -17,7 +17,7 @@ from typing import Any
 ACCURACY_KEYS = ("eval_acc", "accuracy", "eval_accuracy", "acc")
 LOSS_KEYS = ("eval_loss", "loss")
 #: A run must end at least five accuracy points above its initial model, and its loss
-#: 5% below the initial, to count as learning: a model stuck at one class of ten moves
+#: below the initial, to count as learning: a model stuck at one class of ten moves
 #: from about 0.06 to 0.10 (FedMedian on sparse updates did exactly that, loss flat).
 LEARNING_MARGIN = 0.05
 
@@ -34,8 +34,8 @@ class Reporting:
     learning_check: whether a run whose model ends no better than it started fails at
     its end (``RunFailed``); it needs central evaluation (an ``evaluate_fn``).
     learning_margin: the accuracy a run must gain over its initial model to count as
-    learning (absolute, e.g. 0.05 = five points); its central loss must also fall by
-    the same fraction of the initial loss.
+    learning (absolute, e.g. 0.05 = five points); its central loss must also end below
+    the initial loss.
     """
 
     on_round: Callable[[dict[str, Any]], None] | None = None

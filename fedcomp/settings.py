@@ -316,8 +316,8 @@ class Settings:
     #: coordinate-wise median or trimmed mean); false runs them anyway.
     regime_check: bool = True
     #: Fail a run whose model ends no better than it started (fedcomp.reporting): its
-    #: central loss not ``learning_margin`` x the initial below it, or its accuracy not
-    #: ``learning_margin`` above the initial.
+    #: central loss not below the initial, or its accuracy not ``learning_margin``
+    #: above the initial.
     learning_check: bool = True
     learning_margin: float = 0.05
     #: Bind each stable id to the public key of the SuperNode that first claims it

@@ -304,14 +304,16 @@ def test_a_tie_between_metric_key_sets_sets_every_reply_aside():
 def test_not_learning_is_judged_from_the_definition():
     initial = {"loss": 2.30, "accuracy": 0.056}
     assert not_learning(initial, {"loss": 0.5, "accuracy": 0.9}, 0.05) is None
-    # FedMedian on sparse updates: loss flat (0.3% lower), accuracy at one class of ten.
-    assert "accuracy" in not_learning(initial, {"loss": 2.293, "accuracy": 0.1003}, 0.05)
-    assert "loss" in not_learning(initial, {"loss": 2.293, "accuracy": 0.9}, 0.05)
-    # Boundaries: exactly the margin counts as learning, one ulp short does not.
-    edge = {"loss": (1 - 0.05) * 2.30, "accuracy": 0.056 + 0.05}
+    # FedMedian on sparse updates: accuracy at one class of ten, loss flat.
+    why = not_learning(initial, {"loss": 2.311, "accuracy": 0.1003}, 0.05)
+    assert "accuracy" in why and "loss" in why
+    assert "loss" in not_learning(initial, {"loss": 67.4, "accuracy": 0.114}, 0.05)
+    # Boundaries: the loss must be strictly below, the accuracy at least the margin up.
+    edge = {"loss": np.nextafter(2.30, 0.0), "accuracy": 0.056 + 0.05}
     assert not_learning(initial, edge, 0.05) is None
-    short = {"loss": np.nextafter(edge["loss"], 9.0), "accuracy": edge["accuracy"]}
-    assert not_learning(initial, short, 0.05) is not None
+    assert "loss" in not_learning(initial, {**edge, "loss": 2.30}, 0.05)
+    short = {**edge, "accuracy": np.nextafter(edge["accuracy"], 0.0)}
+    assert "accuracy" in not_learning(initial, short, 0.05)
     assert not_learning({}, {"loss": 9.0}, 0.05) is None  # nothing to judge
     with pytest.raises(RunFailed, match=r"did not learn.*round 4.*my cause"):
         fail_if_not_learning(

@@ -189,16 +189,16 @@ def best_loss(initial: float | None, rounds: list[dict[str, Any]]) -> float | No
 
 def not_learning(initial: Mapping[str, Any], final: Mapping[str, Any], margin: float) -> str | None:
     """Why a model that went from ``initial`` to ``final`` (central accuracy and loss)
-    did not learn, or None: its loss is not ``margin`` x the initial loss below it, or
-    its accuracy not ``margin`` above the initial. Metrics absent on either side are
-    not judged."""
+    did not learn, or None: its loss is not below the initial loss, or its accuracy is
+    not ``margin`` above the initial accuracy. Metrics absent on either side are not
+    judged."""
     reasons = []
     loss0, loss1 = initial.get("loss"), final.get("loss")
-    if _number(loss0) and _number(loss1) and loss1 > (1.0 - margin) * loss0:
-        reasons.append(f"central loss {loss1:.4g} (initial {loss0:.4g})")
+    if _number(loss0) and _number(loss1) and loss1 >= loss0:
+        reasons.append(f"central loss {loss1:.4g} is not below the initial {loss0:.4g}")
     acc0, acc1 = initial.get("accuracy"), final.get("accuracy")
     if _number(acc0) and _number(acc1) and acc1 < acc0 + margin:
-        reasons.append(f"accuracy {acc1:.4f} (initial {acc0:.4f})")
+        reasons.append(f"accuracy {acc1:.4f} is not {margin:g} above the initial {acc0:.4f}")
     return " and ".join(reasons) or None
 
 
@@ -218,8 +218,8 @@ def fail_if_not_learning(
     why = not_learning(initial, rounds[-1], margin)
     if why is not None:
         raise RunFailed(
-            f"the model did not learn: after round {rounds[-1]['round']} its {why}, "
-            f"not {margin:g} better. {likely_causes} (Reporting(learning_check=False), "
+            f"the model did not learn: after round {rounds[-1]['round']} its {why}. "
+            f"{likely_causes} (Reporting(learning_check=False), "
             "or learning_check=false in the settings, turns this check off.)"
         )
 
