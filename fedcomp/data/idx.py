@@ -85,10 +85,10 @@ def parse_idx(data: bytes, ndim: int, where: str) -> np.ndarray:
         one, or the dimensions do not match the number of bytes that follow.
     """
     expected_magic = (UBYTE << 8) | ndim
-    if len(data) < 4 + 4 * ndim:
+    if len(data) < 4:
         raise DataError(
             f"dataset 'fashion_mnist': {where} holds {len(data)} bytes, fewer than an IDX "
-            f"header with {ndim} dimension(s) ({4 + 4 * ndim} bytes): the file is truncated"
+            f"magic number (4 bytes): the file is truncated"
         )
     magic = int.from_bytes(data[:4], "big")
     if magic >> 16 != 0 or (magic & 0xFF) != ndim:
@@ -101,6 +101,11 @@ def parse_idx(data: bytes, ndim: int, where: str) -> np.ndarray:
         raise DataError(
             f"dataset 'fashion_mnist': {where} has IDX type code 0x{(magic >> 8) & 0xFF:02x}, "
             f"expected 0x{UBYTE:02x} (unsigned bytes): it is not a Fashion-MNIST file"
+        )
+    if len(data) < 4 + 4 * ndim:
+        raise DataError(
+            f"dataset 'fashion_mnist': {where} holds {len(data)} bytes, fewer than an IDX "
+            f"header with {ndim} dimension(s) ({4 + 4 * ndim} bytes): the file is truncated"
         )
     dims = tuple(int(d) for d in np.frombuffer(data, dtype=">i4", count=ndim, offset=4))
     body = len(data) - 4 - 4 * ndim
