@@ -324,10 +324,13 @@ def test_niid_bench_preset_has_their_setting() -> None:
     assert num_parameters(build_model(runs[0].model, "fashion_mnist", 0)) == 44_426
 
 
-def test_niid_bench_smoke_learns_and_reports_the_best_round(fmnist) -> None:
-    (s,) = preset_settings("niid_bench_fmnist_smoke", f"dataset.path={fmnist['gz']}")
-    assert (s.num_rounds, s.train.local_epochs, s.partition.name) == (2, 1, "niid_labeldir")
-    s.train.local_epochs = 3  # 60 images a client on the fixture: a few more steps
+def test_niid_bench_smoke_learns_and_reports_the_best_round(tmp_path) -> None:
+    path = write_fashion_mnist(tmp_path, "gz", train=2000, test=200)
+    overrides = [f"dataset.path={path}", "train.local_epochs=5", "train.lr=0.05"]
+    # The preset's lr 0.01 and one epoch keep this CNN on its initial loss plateau for
+    # the ~3 steps a client makes here (it learns on the real data: docs/experiments.md).
+    (s,) = preset_settings("niid_bench_fmnist_smoke", *overrides)
+    assert (s.num_rounds, s.partition.name, s.model.name) == (2, "niid_labeldir", "niid_cnn")
     results = run_inprocess(s)
     accuracies = [r["accuracy"] for r in results["rounds"]]
     assert len(accuracies) == 2
