@@ -337,3 +337,14 @@ def test_niid_bench_smoke_learns_and_reports_the_best_round(tmp_path) -> None:
     assert results["summary"]["best_accuracy"] == max(accuracies)
     assert results["summary"]["final_accuracy"] == accuracies[-1]
     assert max(accuracies) > 0.5  # 10 classes: chance is 0.1
+
+
+@pytest.mark.parametrize("name", ["niid_labeldir", "niid_labels"])
+def test_niid_partitions_cover_the_training_rows_of_any_dataset(name) -> None:
+    # digits' test rows are spread among the training rows (a stratified split), so
+    # positions into the training labels must be mapped back to row ids
+    s = validate(settings_from_dict({"dataset": {"name": "digits"}, "partition": {"name": name}}))
+    test_rows, train_rows = split_rows(s)
+    parts = partition_indices(s)
+    np.testing.assert_array_equal(np.sort(np.concatenate(parts)), train_rows)
+    assert not np.intersect1d(np.concatenate(parts), test_rows).size
