@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedcomp.data.sources import CATALOG, DataError, RawData, _normalizer
+from fedcomp.data.sources import CATALOG, DataError, RawData
 
 #: Where the Debian package ``dataset-fashion-mnist`` installs the four files.
 DEFAULT_DIR = "/usr/share/datasets/fashion-mnist"
@@ -212,9 +212,10 @@ def load_fashion_mnist_raw(path: str) -> RawData:
     labels = np.concatenate([train_y, test_y])
     test_mask = np.zeros(labels.size, dtype=bool)
     test_mask[train_y.size :] = True
-    normalize = _normalizer(spec)
+    mean, std = np.float32(spec.mean[0]), np.float32(spec.std[0])
 
     def decode(rows: np.ndarray) -> np.ndarray:
-        return normalize(images[np.asarray(rows, dtype=np.int64)])
+        pixels = images[np.asarray(rows, dtype=np.int64)].astype(np.float32) / np.float32(255)
+        return (pixels - mean) / std
 
     return RawData(spec, labels, None, test_mask, decode, repr(str(directory)))
