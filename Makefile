@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.fedcomp-installed
 export FLWR_TELEMETRY_ENABLED := 0
 export FLWR_HOME := $(CURDIR)/.flwr
 
-.PHONY: run test test-slow deploy-test lint bench bench-scale bench-dme leaderboard fuzz mutants wheel clean
+.PHONY: run test test-slow deploy-test lint data bench bench-scale bench-dme leaderboard fuzz mutants wheel clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,18 @@ test-slow: $(STAMP)
 ## TLS + SuperNode authentication included (the non-slow ones also run in `make test`)
 deploy-test: $(STAMP)
 	$(PY) -m pytest -m deployment -q
+
+## data: Fashion-MNIST (dataset=fashion_mnist) from the Debian package dataset-fashion-mnist
+## (/usr/share/datasets/fashion-mnist): installed when run as root, else the command is printed
+data:
+	@if [ -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ]; then \
+	    echo "Fashion-MNIST is installed in /usr/share/datasets/fashion-mnist"; \
+	elif [ "$$(id -u)" = 0 ]; then \
+	    apt-get update && apt-get install -y dataset-fashion-mnist; \
+	else \
+	    echo "run as root: apt-get update && apt-get install -y dataset-fashion-mnist"; \
+	    echo "(or point dataset.path at a directory holding the four IDX files)"; \
+	fi
 
 ## bench: codec, rotation/EDEN, lossless-stage, server and reduction-tree benchmarks;
 ## summaries in experiments/results/

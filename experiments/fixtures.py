@@ -1,12 +1,15 @@
-"""Tiny copies of FEMNIST and CIFAR-10 in the real on-disk formats, for tests and smoke runs.
+"""Tiny copies of FEMNIST, CIFAR-10 and Fashion-MNIST in the real on-disk formats, for tests
+and smoke runs.
 
-    python -m experiments.fixtures data/fixtures      # writes femnist/ and cifar10/ there
+    python -m experiments.fixtures data/fixtures      # writes femnist/, cifar10/, fashion_mnist/
 
 The formats are the ones a user's copy has: a directory written by ``datasets``'
 ``save_to_disk`` (FEMNIST's columns image/writer_id/hsf_id/character, CIFAR-10's
 img/label, images as PNG with ``datasets.Image`` features), parquet files written by
 ``datasets`` (the hub's layout), and CIFAR-10's python pickles (``cifar-10-batches-py``:
-``data_batch_1`` .. ``data_batch_5``, ``test_batch``, ``batches.meta``).
+``data_batch_1`` .. ``data_batch_5``, ``test_batch``, ``batches.meta``), and
+Fashion-MNIST's four IDX files (gzipped, as distributed, or not, or both in torchvision's
+``FashionMNIST/raw``).
 
 The pixels are not handwriting: each class has a fixed random pattern, and each image
 is its class pattern plus noise (and a per-writer brightness offset for FEMNIST), so a
@@ -16,6 +19,7 @@ model can learn them in a few rounds.
 from __future__ import annotations
 
 import argparse
+import gzip
 import pickle
 import string
 import sys
@@ -170,6 +174,61 @@ def write_cifar10(root: Path, fmt: str = "pickle", per_batch: int = 40, test: in
     raise ValueError(f"fmt={fmt!r}: allowed: pickle, disk, parquet")
 
 
+IDX_UBYTE = 0x08
+
+
+def idx_bytes(array: np.ndarray, type_code: int = IDX_UBYTE) -> bytes:
+    """An IDX file's bytes: magic ``(type_code << 8) | ndim``, big-endian int32 dims,
+    then the values (uint8, C order)."""
+    header = ((type_code << 8) | array.ndim).to_bytes(4, "big")
+    dims = np.asarray(array.shape, dtype=">i4").tobytes()
+    return header + dims + np.ascontiguousarray(array, dtype=np.uint8).tobytes()
+
+
+def fashion_arrays(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(images uint8 (n, 28, 28), labels uint8) with every class present when n >= 10.
+
+    Class c is a bright 9x6 block at its own place of a 3x4 grid on a dark, noisy
+    background: a small CNN learns that in a few steps (per-pixel random patterns, as
+    for the other fixtures, keep it on its initial loss plateau for many more).
+    """
+    labels = np.random.default_rng(seed).permutation(np.arange(n) % 10)
+    rng = np.random.default_rng(seed + 100)
+    images = rng.normal(0.1, 0.1, (n, 28, 28))
+    for c in range(10):
+        row, col = divmod(c, 4)
+        images[labels == c, 1 + 9 * row : 10 + 9 * row, 1 + 6 * col : 7 + 6 * col] += 0.7
+    return np.clip(images * 255, 0, 255).astype(np.uint8), labels.astype(np.uint8)
+
+
+def write_fashion_mnist(root: Path, fmt: str = "gz", train: int = 600, test: int = 100) -> Path:
+    """Write a Fashion-MNIST copy (``train`` and ``test`` images) under ``root``; return
+    the path to give ``dataset.path``.
+
+    ``fmt``: "gz" (the four ``*-ubyte.gz`` files, as the Debian package installs them),
+    "raw" (uncompressed) or "torchvision" (``FashionMNIST/raw`` holding both, as
+    ``torchvision.datasets.FashionMNIST(root, download=True)`` leaves it; returns root).
+    """
+    if fmt not in ("gz", "raw", "torchvision"):
+        raise ValueError(f"fmt={fmt!r}: allowed: gz, raw, torchvision")
+    path = root / f"fashion_mnist_{fmt}"
+    target = path / "FashionMNIST" / "raw" if fmt == "torchvision" else path
+    target.mkdir(parents=True, exist_ok=True)
+    for split, n, seed in (("train", train, 3), ("t10k", test, 4)):
+        images, labels = fashion_arrays(n, seed)
+        for name, array in (
+            (f"{split}-images-idx3-ubyte", images),
+            (f"{split}-labels-idx1-ubyte", labels),
+        ):
+            data = idx_bytes(array)
+            if fmt != "gz":
+                (target / name).write_bytes(data)
+            if fmt != "raw":
+                # mtime=0: the same bytes on every run
+                (target / f"{name}.gz").write_bytes(gzip.compress(data, mtime=0))
+    return path
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("root", type=Path, help="directory to write femnist/ and cifar10/ into")
@@ -177,6 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.root.mkdir(parents=True, exist_ok=True)
     print(f"femnist: dataset.path={write_femnist(args.root)}")
     print(f"cifar10: dataset.path={write_cifar10(args.root, fmt='disk')}")
+    print(f"fashion_mnist: dataset.path={write_fashion_mnist(args.root)}")
     return 0
 
 

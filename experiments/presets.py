@@ -105,7 +105,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             continue
         s = results["summary"]
         print(
-            f"[{i + 1}/{len(runs)}] {path}: final accuracy {s['final_accuracy']:.4f}, "
+            f"[{i + 1}/{len(runs)}] {path}: final accuracy {s['final_accuracy']:.4f} "
+            f"(best {s['best_accuracy']:.4f}), "
             f"total {s['total_wire_bytes'] / 1e6:.2f} MB ({s['total_ratio_vs_fp32']:.2f}x), "
             f"{time.perf_counter() - t0:.0f} s",
             flush=True,

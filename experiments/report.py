@@ -75,6 +75,7 @@ def table_rows(results: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[
     header = [
         *keys,
         "final_accuracy",
+        "best_accuracy",
         "total_wire_bytes",
         "total_ratio_vs_fp32",
         "uplink_codec_bytes",
@@ -91,6 +92,7 @@ def table_rows(results: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[
             [
                 *(flat.get(k) for k in keys),
                 s["final_accuracy"],
+                s.get("best_accuracy"),  # absent from files written before it
                 s.get("total_wire_bytes"),
                 s.get("total_ratio_vs_fp32"),
                 codec_bytes,

@@ -5,6 +5,10 @@
   layers; ``model.hidden = [c1, c2, fc]``. With [32, 64, 2048] on FEMNIST it is the
   LEAF CNN (6,603,710 parameters, ``model=leaf_cnn``); with [32, 64, 512] on CIFAR-10
   the small CNN of FedAvg-style experiments (``model=cnn``).
+- ``niid_cnn``: NIID-Bench's CNN (Li et al., 2102.02079): two unpadded 5x5
+  convolutions with 6 and 16 channels (ReLU, 2x2 max-pool each) and dense layers
+  ``model.hidden = [120, 84]`` then the classes: 44,426 parameters on 28x28x1
+  (Fashion-MNIST, ``model=niid_cnn``), 62,006 on 32x32x3 (their CIFAR-10 CNN).
 - ``resnet18``: torchvision's ResNet-18 with the CIFAR stem (a 3x3 stride-1 first
   convolution and no max-pool), 11.2M parameters; its BatchNorm layers carry
   running statistics and an int64 ``num_batches_tracked`` buffer, which the tensor
@@ -63,6 +67,35 @@ class CNN(nn.Sequential):
         )
 
 
+class NiidCNN(nn.Sequential):
+    """conv5x5(6)-ReLU-pool2, conv5x5(16)-ReLU-pool2 (no padding), dense(h1)-ReLU,
+    dense(h2)-ReLU, dense(classes): NIID-Bench's SimpleCNN / SimpleCNNMNIST."""
+
+    def __init__(self, shape: tuple[int, int, int], widths: list[int], num_classes: int) -> None:
+        channels, height, width = shape
+        h1, h2 = widths
+        super().__init__(
+            nn.Conv2d(channels, 6, kernel_size=5),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(6, 16, kernel_size=5),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(16 * niid_cnn_side(height) * niid_cnn_side(width), h1),
+            nn.ReLU(),
+            nn.Linear(h1, h2),
+            nn.ReLU(),
+            nn.Linear(h2, num_classes),
+        )
+
+
+def niid_cnn_side(side: int) -> int:
+    """A side of the NIID CNN's last feature map: two unpadded 5x5 convolutions, each
+    followed by a 2x2 max-pool (28 -> 24 -> 12 -> 8 -> 4; 32 -> 5)."""
+    return ((side - 4) // 2 - 4) // 2
+
+
 def cifar_resnet18(in_channels: int, num_classes: int) -> nn.Module:
     """torchvision's ResNet-18 with the usual CIFAR stem: 3x3 stride-1 conv, no max-pool
     (the ImageNet stem would shrink a 32x32 image to 8x8 before the first block)."""
@@ -108,8 +141,10 @@ def check_model(model: ModelSettings, dataset_name: str) -> None:
     spec = spec_of(dataset_name)
     if model.name == "mlp":
         return
-    if model.name not in ("cnn", "resnet18"):
-        raise ValueError(f"invalid setting model.name={model.name!r}: allowed: mlp, cnn, resnet18")
+    if model.name not in ("cnn", "resnet18", "niid_cnn"):
+        raise ValueError(
+            f"invalid setting model.name={model.name!r}: allowed: mlp, cnn, resnet18, niid_cnn"
+        )
     if not spec.is_image:
         raise ValueError(
             f"model.name={model.name!r} takes images (channels x height x width), but "
@@ -121,6 +156,11 @@ def check_model(model: ModelSettings, dataset_name: str) -> None:
         raise ValueError(
             f"model.name='cnn' pools twice by 2 and needs images of at least 4x4; "
             f"dataset '{dataset_name}' has {height}x{width}"
+        )
+    if model.name == "niid_cnn" and min(niid_cnn_side(height), niid_cnn_side(width)) < 1:
+        raise ValueError(
+            f"model.name='niid_cnn' (two unpadded 5x5 convolutions, each pooled by 2) needs "
+            f"images of at least 16x16; dataset '{dataset_name}' has {height}x{width}"
         )
 
 
@@ -135,6 +175,8 @@ def build_model(model: ModelSettings, dataset_name: str, seed: int) -> nn.Module
             net: nn.Module = MLP(math.prod(spec.shape), list(model.hidden), spec.num_classes)
         elif model.name == "cnn":
             net = CNN(spec.shape, list(model.hidden), spec.num_classes)  # type: ignore[arg-type]
+        elif model.name == "niid_cnn":
+            net = NiidCNN(spec.shape, list(model.hidden), spec.num_classes)  # type: ignore[arg-type]
         else:
             net = cifar_resnet18(spec.shape[0], spec.num_classes)
     _init_(net, torch_generator(seed, "model-init"), conv_fan_out=model.name == "resnet18")

@@ -36,9 +36,9 @@ if TYPE_CHECKING:  # a runtime import would load torch for every settings user
 
 JSON_PREFIX = "json:"
 
-DATASETS = ("digits", "femnist", "cifar10", "synthetic")
-PARTITIONS = ("dirichlet", "iid", "natural", "pathological")
-MODELS = ("mlp", "cnn", "resnet18")
+DATASETS = ("digits", "femnist", "cifar10", "synthetic", "fashion_mnist")
+PARTITIONS = ("dirichlet", "iid", "natural", "pathological", "niid_labeldir", "niid_labels")
+MODELS = ("mlp", "cnn", "resnet18", "niid_cnn")
 DEVICES = ("auto", "cpu", "cuda")
 PROGRESS = ("auto", "bar", "log", "off")
 CLIENT_STATES = ("memory", "disk")
@@ -62,7 +62,8 @@ class DatasetSettings:
     test_fraction: float = 0.2
     #: femnist, cifar10: a local copy (a datasets ``save_to_disk`` directory, parquet
     #: file(s), or for cifar10 torchvision's ``cifar-10-batches-py``); "" = the hub
-    #: through flwr-datasets.
+    #: through flwr-datasets. fashion_mnist: a directory of the four IDX files ("" =
+    #: /usr/share/datasets/fashion-mnist, the Debian package's).
     path: str = ""
     #: synthetic only: number of samples, and the Student-t degrees of freedom of the
     #: features (heavy tails below 4: infinite kurtosis; below 2: infinite variance).
@@ -87,7 +88,7 @@ class PartitionSettings:
     name: str = "dirichlet"
     alpha: float = 0.3
     min_partition_size: int = 10
-    #: Pathological partitions: the number of distinct labels each client holds.
+    #: Pathological and niid_labels partitions: the distinct labels each client holds.
     classes_per_client: int = 2
     #: Fraction of each client's partition held out for client-side evaluation.
     val_fraction: float = 0.2
@@ -110,7 +111,8 @@ class ModelSettings:
     """The model family and its size.
 
     ``hidden`` is the layer widths: mlp, the hidden layers; cnn, [conv1 channels,
-    conv2 channels, fully connected width]; resnet18 has a fixed width (empty list).
+    conv2 channels, fully connected width]; niid_cnn, its two dense widths (its
+    convolutions are fixed at 6 and 16 channels); resnet18 has a fixed width (empty list).
     """
 
     name: str = "mlp"
@@ -130,6 +132,8 @@ class TrainSettings:
     batch_size: int = 32
     lr: float = 0.05
     momentum: float = 0.9
+    #: SGD's L2 weight decay (0 = none; NIID-Bench's baseline uses 1e-5).
+    weight_decay: float = 0.0
     #: "auto" = CUDA when available, else the CPU.
     device: str = "auto"
     #: Heavy-tailed stress test: add ``noise_scale * Student-t(noise_df)`` to every
@@ -147,6 +151,8 @@ class TrainSettings:
             _fail("train.lr", self.lr, "must be > 0")
         if not 0.0 <= self.momentum < 1.0:
             _fail("train.momentum", self.momentum, "must be in [0, 1)")
+        if not 0.0 <= self.weight_decay < math.inf:
+            _fail("train.weight_decay", self.weight_decay, "must be a finite number >= 0")
         _check_choice("train.device", self.device, DEVICES)
         if self.noise_df < 0 or not math.isfinite(self.noise_df):
             _fail("train.noise_df", self.noise_df, "must be 0 (off) or a positive number")
@@ -502,6 +508,8 @@ def _check_model_widths(model: ModelSettings) -> None:
             "cnn takes [conv1 channels, conv2 channels, fully connected width], "
             "e.g. [32, 64, 2048] (model=leaf_cnn) or [32, 64, 512] (model=cnn)",
         )
+    if model.name == "niid_cnn" and (len(hidden) != 2 or any(h <= 0 for h in hidden)):
+        _fail("model.hidden", hidden, "niid_cnn takes two dense widths ([120, 84] in NIID-Bench)")
     if model.name == "resnet18" and hidden:
         _fail("model.hidden", hidden, "resnet18 has a fixed width: use model=resnet18 (hidden: [])")
 

@@ -54,7 +54,9 @@ def train_local(
     device = torch.device(device)
     model.to(device)
     data = ArrayDataset(data.x.to(device), data.y.to(device))
-    opt = torch.optim.SGD(model.parameters(), lr=train.lr, momentum=train.momentum)
+    opt = torch.optim.SGD(
+        model.parameters(), lr=train.lr, momentum=train.momentum, weight_decay=train.weight_decay
+    )
     loss_fn = nn.CrossEntropyLoss()
     model.train()
     anchor = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else []

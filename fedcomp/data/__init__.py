@@ -2,7 +2,8 @@
 
 The embedded offline default is ``digits``: the real 8x8 handwritten digits bundled
 with scikit-learn (1,797 images, 10 classes). ``femnist`` (natural per-writer
-partitions) and ``cifar10`` come from a local copy or the hub (``fedcomp.data.sources``);
+partitions) and ``cifar10`` come from a local copy or the hub (``fedcomp.data.sources``),
+``fashion_mnist`` from its IDX files (``fedcomp.data.idx``);
 ``synthetic`` is a generated task with heavy-tailed (Student-t) features. The server
 keeps a fixed held-out test split; the rest is divided among clients with a
 flwr-datasets partitioner, and each client holds out part of its partition for

@@ -4,14 +4,15 @@ The server's test split never depends on the run seed, so every seed and every m
 is evaluated on the same samples (paired comparisons):
 
 - digits, synthetic: a label-stratified ``dataset.test_fraction`` of the samples;
-- cifar10: the official test split (``test_fraction`` is not used);
+- cifar10, fashion_mnist: the official test split (``test_fraction`` is not used);
 - femnist: ``num_clients`` writers are drawn once from a fixed permutation of the
   writers with enough samples (so 8 clients are a subset of 16), and
   ``test_fraction`` of each chosen writer's samples is held out (as LEAF does).
 
 The training rows are divided among clients by a flwr-datasets partitioner
 (``DirichletPartitioner``, ``IidPartitioner``, ``NaturalIdPartitioner`` by writer,
-``PathologicalPartitioner``) run on a local ``datasets.Dataset`` of row ids and labels;
+``PathologicalPartitioner``) run on a local ``datasets.Dataset`` of row ids and labels,
+or by NIID-Bench's own rules (``niid_labeldir``, ``niid_labels``: fedcomp.data.niid);
 each client holds out ``partition.val_fraction`` of its partition for client-side
 evaluation.
 """
@@ -27,6 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fedcomp.data.idx import load_fashion_mnist_raw
+from fedcomp.data.niid import NIID_PARTITIONS, niid_partition
 from fedcomp.data.sources import (
     RawData,
     load_digits_raw,
@@ -57,7 +60,7 @@ def _dataset_key(dataset: DatasetSettings) -> tuple:
     """The settings that change the rows (others do not reload the data)."""
     if dataset.name == "synthetic":
         return (dataset.name, dataset.num_samples, float(dataset.tail_df))
-    if spec_of(dataset.name).hub_id:
+    if spec_of(dataset.name).hub_id or dataset.name == "fashion_mnist":
         return (dataset.name, dataset.path)
     return (dataset.name,)
 
@@ -69,6 +72,8 @@ def _raw(key: tuple) -> RawData:
         return load_digits_raw()
     if name == "synthetic":
         return load_synthetic_raw(key[1], key[2])
+    if name == "fashion_mnist":
+        return load_fashion_mnist_raw(key[1])
     return load_image_raw(name, key[1])
 
 
@@ -252,6 +257,11 @@ def _partitions(
     raw = _raw(split_key[0])
     _, train = _split(split_key)
     p = PartitionSettings(**dict(partition))
+    if p.name in NIID_PARTITIONS:  # NIID-Bench's own rules (fedcomp.data.niid)
+        parts = niid_partition(
+            p.name, raw.labels[train], raw.spec.num_classes, num_partitions, p, seed
+        )
+        return tuple(train[pos].astype(np.int64) for pos in parts)
     columns = {"index": train, "label": raw.labels[train]}
     if p.name == "natural":
         columns["writer"] = raw.groups[train]
@@ -348,7 +358,7 @@ def check_data_settings(settings: Settings) -> None:
             f"{n_train} training samples of dataset '{name}'"
         )
     p = settings.partition
-    if p.name == "dirichlet":
+    if p.name in ("dirichlet", "niid_labeldir"):
         needed = settings.num_clients * p.min_partition_size
         if needed > n_train:
             raise ValueError(
@@ -357,7 +367,7 @@ def check_data_settings(settings: Settings) -> None:
                 f"x {p.min_partition_size} exceeds the {n_train} training "
                 f"samples of dataset '{name}'"
             )
-    if p.name == "pathological" and p.classes_per_client > raw.spec.num_classes:
+    if p.name in ("pathological", "niid_labels") and p.classes_per_client > raw.spec.num_classes:
         raise ValueError(
             f"invalid setting partition.classes_per_client={p.classes_per_client}: dataset "
             f"'{name}' has {raw.spec.num_classes} classes"

@@ -86,6 +86,10 @@ CATALOG: dict[str, DatasetSpec] = {
         std=(0.2470, 0.2435, 0.2616),
         has_test_split=True,
     ),
+    # IDX files on disk (fedcomp.data.idx); pixels in [0, 1] as in NIID-Bench.
+    "fashion_mnist": DatasetSpec(
+        "fashion_mnist", (1, 28, 28), 10, mean=(0.0,), std=(1.0,), has_test_split=True
+    ),
 }
 
 #: How to put each hub dataset on disk (quoted in the errors and in docs/experiments.md).
