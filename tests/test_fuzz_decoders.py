@@ -5,10 +5,11 @@ Random buffers and mutated valid payloads (truncated, extended, bit flips, overw
 header and body fields, huge claimed shapes, NaN/Inf scales) must end in a decoded
 tensor of the claimed shape or a PayloadError, never another exception; the server's
 path (the payload checked against the codec spec the server sent, then decoded) must
-end in a decoded update or a Rejection. The cap turns any allocation beyond
-``HEADROOM`` into a test failure instead of an out-of-memory machine: the inputs hold at
-most ``LIMIT`` elements (40 kB in float32), so a decoder that needs more than 256 MiB
-for them trusts a field it should not.
+end in a decoded update or a Rejection; the client's path (a mutated downlink
+instruction rebuilt into the model) must end in x_hat or a ReplicaError. The cap
+turns any allocation beyond ``HEADROOM`` into a test failure instead of an
+out-of-memory machine: the inputs hold at most ``LIMIT`` elements (40 kB in float32),
+so a decoder that needs more than 256 MiB for them trusts a field it should not.
 """
 
 from __future__ import annotations
