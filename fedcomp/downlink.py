@@ -19,8 +19,10 @@ No flwr here: ``fedcomp.flower`` carries steps in messages.
 from __future__ import annotations
 
 import hashlib
+import itertools
+import math
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,12 +31,14 @@ import torch
 
 from fedcomp.codecs import (
     Codec,
+    Payload,
     TensorPolicy,
     codec_class_by_id,
     make_codec_from_spec,
     parse_payload,
 )
 from fedcomp.codecs.dense import RawCodec
+from fedcomp.codecs.entropy import max_inner_size
 from fedcomp.rng import derive_seed
 from fedcomp.rules import fail
 
@@ -48,6 +52,11 @@ OFF = "fp32"
 INITIALS = ("sent", "seeded")
 #: The seed purpose of downlink payloads in the public randomness.
 SEED_PURPOSE = "downlink"
+#: The most steps one instruction carries. Each step costs the client one decode of the
+#: model whatever its bytes (a tiny payload can decode to a dense tensor), so this
+#: bounds a catch-up at 16 model decodes; a client further behind is sent x_hat in
+#: full (the bytes of at most 16 steps of a 2-bit codec).
+MAX_STEPS = 16
 
 _RAW = RawCodec()
 
@@ -154,6 +163,14 @@ def decode_payload_for(name: str, payload: bytes, current: np.ndarray) -> tuple[
     """
     try:
         parsed = parse_payload(payload, current.size)
+    except ValueError as exc:
+        raise ReplicaError(f"{name}: {exc}") from exc
+    return decode_parsed(name, parsed, current)
+
+
+def decode_parsed(name: str, parsed: Payload, current: np.ndarray) -> tuple[np.ndarray, bool]:
+    """:func:`decode_payload_for` on a payload already parsed (and checked)."""
+    try:
         cls = codec_class_by_id(parsed.header.codec_id)
         if cls is None:
             raise ValueError(f"unknown codec id {parsed.header.codec_id}")
@@ -175,9 +192,14 @@ def move(current: np.ndarray, value: np.ndarray, raw: bool, scale: float) -> np.
     return moved.astype(current.dtype, copy=False)
 
 
-def apply_step(arrays: Mapping[str, np.ndarray], step: Step) -> dict[str, np.ndarray]:
+def apply_step(
+    arrays: Mapping[str, np.ndarray],
+    step: Step,
+    parsed: Mapping[str, Payload] | None = None,
+) -> dict[str, np.ndarray]:
     """The replica after ``step`` (the client's half; the server moves x_hat with the
-    same :func:`move`, so both are bit-identical).
+    same :func:`move`, so both are bit-identical). ``parsed``: the step's payloads
+    already parsed and checked (:func:`check_step_payloads`).
 
     Raises
     ------
@@ -188,9 +210,119 @@ def apply_step(arrays: Mapping[str, np.ndarray], step: Step) -> dict[str, np.nda
         raise ReplicaError("the step's tensors are not the replica's")
     out = {}
     for name, current in arrays.items():
-        value, raw = decode_payload_for(name, step.payloads[name], current)
+        if parsed is None:
+            value, raw = decode_payload_for(name, step.payloads[name], current)
+        else:
+            value, raw = decode_parsed(name, parsed[name], current)
         out[name] = move(current, value, raw, step.scales.get(name, 1.0))
     return out
+
+
+# --- what a client checks before decoding a step (the server may be hostile) ----------
+
+
+def check_chain(steps: Sequence[Step], target: int) -> None:
+    """The steps' versions: at most :data:`MAX_STEPS`, each from a version to a later
+    one, each starting where the previous one ended, the last at ``target``.
+
+    Raises
+    ------
+    ReplicaError
+        Naming the first step that breaks a rule.
+    """
+    if len(steps) > MAX_STEPS:
+        raise ReplicaError(f"{len(steps)} steps in one instruction, at most {MAX_STEPS} allowed")
+    for step in steps:
+        if not 0 <= step.source < step.target:
+            raise ReplicaError(
+                f"a step from version {step.source} to {step.target}: versions must increase"
+            )
+    for previous, step in itertools.pairwise(steps):
+        if step.source != previous.target:
+            raise ReplicaError(
+                f"the step to version {step.target} starts at {step.source}, "
+                f"the step before it ends at {previous.target}"
+            )
+    if steps and steps[-1].target != target:
+        last = steps[-1].target
+        raise ReplicaError(f"the steps end at version {last}, the server is at {target}")
+
+
+def check_step_bytes(steps: Sequence[Step], arrays: Mapping[str, np.ndarray]) -> None:
+    """The steps together weigh at most the dense model (the server's own rule: it
+    sends x_hat in full instead), so reading them costs less than the model.
+
+    Raises
+    ------
+    ReplicaError
+        Naming both sizes.
+    """
+    total, dense = sum(s.nbytes for s in steps), sum(a.nbytes for a in arrays.values())
+    if total > dense:
+        raise ReplicaError(f"the steps weigh {total} bytes, more than the {dense}-byte model")
+
+
+def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+
+
+def check_step_payload(
+    name: str, payload: bytes, current: np.ndarray, codec: Codec, raw: bool
+) -> Payload:
+    """Parse one step payload and check it against what the server builds for this
+    tensor, before anything is decoded: the tensor's exact value (``raw``: the policy
+    sends it raw), else a float32 difference encoded by ``codec``, its parameters and
+    inner codecs included (``codec.check_payload``: a nested payload the spec does not
+    build is refused here). At most :func:`max_inner_size` bytes.
+
+    Raises
+    ------
+    ReplicaError
+        Naming the tensor and what differs.
+    """
+    bound = max_inner_size(current.size, current.ndim)
+    if len(payload) > bound:
+        raise ReplicaError(f"{name}: a {len(payload)}-byte payload, at most {bound} for the tensor")
+    try:
+        parsed = parse_payload(payload, current.size)
+        header = parsed.header
+        if header.shape != current.shape:
+            raise ValueError(f"payload shape {header.shape} != {current.shape}")
+        want = _torch_dtype(current.dtype) if raw else torch.float32
+        if header.dtype != want:
+            raise ValueError(f"payload dtype {header.dtype}, the server sends {want}")
+        (_RAW if raw else codec).check_payload(parsed)
+    except (ValueError, TypeError) as exc:
+        raise ReplicaError(f"{name}: {exc}") from exc
+    return parsed
+
+
+def check_step_payloads(
+    step: Step, arrays: Mapping[str, np.ndarray], codec: Codec, policy: TensorPolicy
+) -> dict[str, Payload]:
+    """Every payload and scale of one step checked (:func:`check_step_payload`); the
+    payloads parsed, by tensor.
+
+    Raises
+    ------
+    ReplicaError
+        When the step's tensors or scales are not the replica's, or a payload fails.
+    """
+    if set(step.payloads) != set(arrays):
+        raise ReplicaError(f"the step to version {step.target} has other tensors than the model")
+    for name, scale in step.scales.items():
+        if name not in arrays or not math.isfinite(scale):
+            raise ReplicaError(f"step to version {step.target}: scale {name!r}={scale!r}")
+    return {
+        name: check_step_payload(
+            name,
+            step.payloads[name],
+            current,
+            codec,
+            policy.travels_raw(current.dtype.kind == "f", current.size),
+        )
+        for name, current in arrays.items()
+    }
 
 
 def contraction_scale(difference: np.ndarray, decoded: np.ndarray) -> float:
@@ -300,7 +432,8 @@ class BroadcastServer:
     def steps_for(self, client: int) -> list[Step] | None:
         """The steps that bring ``client`` to the current version ([] if current), or
         None when it must receive x_hat in full (no known replica, history too short,
-        or the steps would weigh more than the model)."""
+        more than :data:`MAX_STEPS` steps, or steps that would weigh more than the
+        model)."""
         have = self.confirmed.get(client)
         if have is None and self.spec.initial == "seeded" and client not in self.full_next:
             have = 0  # it builds version 0 itself: the steps from there, if cheaper
@@ -311,7 +444,7 @@ class BroadcastServer:
         steps = [s for s in self.history if s.source >= have]
         if not steps or steps[0].source != have:
             return None
-        if sum(s.nbytes for s in steps) >= self.full_nbytes:
+        if sum(s.nbytes for s in steps) >= self.full_nbytes or len(steps) > MAX_STEPS:
             return None
         return steps
 
@@ -387,24 +520,46 @@ class Replica:
             raise ReplicaError(f"the full model of version {version} fails its checksum")
         return Replica(copy, version, digest)
 
-    def take_steps(self, steps: list[Step], target: int, digest: str) -> Replica:
+    def take_steps(
+        self,
+        steps: Sequence[Step],
+        target: int,
+        digest: str,
+        *,
+        codec: Codec | None = None,
+        policy: TensorPolicy | None = None,
+    ) -> Replica:
         """The replica after the steps it has not applied yet; checked against the
         checksum of the target version. Never modifies ``self``.
+
+        Before anything is decoded: the versions chain (:func:`check_chain`), the steps
+        weigh at most the model (:func:`check_step_bytes`) and, with the downlink
+        ``codec`` the server was configured with, every payload is what it builds
+        (:func:`check_step_payloads`, tensors sent raw by ``policy``). Each step is then
+        decoded once: the cost is at most :data:`MAX_STEPS` decodes of the model.
 
         Raises
         ------
         ReplicaError
-            No replica, a version the steps do not start from, or a checksum mismatch.
+            No replica, steps that break a check above, a version the steps do not
+            start from, or a checksum mismatch.
         """
         if self.arrays is None:
             raise ReplicaError("no replica here (new, wiped or restarted): send the model")
+        check_chain(steps, target)
+        check_step_bytes(steps, self.arrays)
+        rules = policy or TensorPolicy()
+        parsed = [
+            None if codec is None else check_step_payloads(s, self.arrays, codec, rules)
+            for s in steps
+        ]
         arrays, version = self.arrays, self.version
-        for step in steps:
+        for step, payloads in zip(steps, parsed, strict=True):
             if step.target <= version:
                 continue  # applied already (its reply was lost)
             if step.source != version:
                 raise ReplicaError(f"replica at version {version}, steps start at {step.source}")
-            arrays, version = apply_step(arrays, step), step.target
+            arrays, version = apply_step(arrays, step, payloads), step.target
         if version != target:
             raise ReplicaError(f"replica at version {version}, the server is at {target}")
         got = checksum(arrays)

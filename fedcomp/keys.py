@@ -45,6 +45,9 @@ DOWNLINK_STEPS = "steps"
 KEY_DOWNLINK_VERSION = "fedcomp.downlink-version"
 KEY_DOWNLINK_CHECKSUM = "fedcomp.downlink-checksum"
 KEY_DOWNLINK_ARRAYS = "fedcomp.downlink-arrays"
+#: The downlink codec spec (JSON) in "steps" instructions: the client refuses any step
+#: payload this codec (or the raw value, for tensors the policy sends raw) does not build.
+KEY_DOWNLINK_CODEC = "fedcomp.downlink-codec"
 #: ArrayRecord of downlink steps: one packed uint8 payload per "<target>/<tensor>";
 #: the steps themselves as JSON [[source, target, checksum], ...] in KEY_DOWNLINK_STEPS.
 RECORD_DOWNLINK = "fedcomp.downlink-steps"

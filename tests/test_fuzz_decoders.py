@@ -5,15 +5,17 @@ Random buffers and mutated valid payloads (truncated, extended, bit flips, overw
 header and body fields, huge claimed shapes, NaN/Inf scales) must end in a decoded
 tensor of the claimed shape or a PayloadError, never another exception; the server's
 path (the payload checked against the codec spec the server sent, then decoded) must
-end in a decoded update or a Rejection. The cap turns any allocation beyond
-``HEADROOM`` into a test failure instead of an out-of-memory machine: the inputs hold at
-most ``LIMIT`` elements (40 kB in float32), so a decoder that needs more than 256 MiB
-for them trusts a field it should not.
+end in a decoded update or a Rejection; the client's path (a mutated downlink
+instruction rebuilt into the model) must end in x_hat or a ReplicaError. The cap
+turns any allocation beyond ``HEADROOM`` into a test failure instead of an
+out-of-memory machine: the inputs hold at most ``LIMIT`` elements (40 kB in float32),
+so a decoder that needs more than 256 MiB for them trusts a field it should not.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import struct
 from collections.abc import Iterator
@@ -21,7 +23,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
-from flwr.app import Array, ArrayRecord
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -37,8 +39,18 @@ from fedcomp.codecs import (
     quantize_compiled,
     rotation_compiled,
 )
+from fedcomp.downlink import BroadcastServer, Replica, ReplicaError, checksum, parse_downlink
 from fedcomp.failures import Rejection
+from fedcomp.flower.replica import ReplicaSender, rebuild_model
 from fedcomp.flower.validation import decode_payloads
+from fedcomp.keys import (
+    KEY_DOWNLINK,
+    KEY_DOWNLINK_CHECKSUM,
+    KEY_DOWNLINK_CODEC,
+    KEY_DOWNLINK_STEPS,
+    KEY_DOWNLINK_VERSION,
+    RECORD_DOWNLINK,
+)
 from fedcomp.rng import derive_seed
 
 EXAMPLES = int(os.environ.get("FEDCOMP_FUZZ_EXAMPLES", "100"))
@@ -305,3 +317,152 @@ def test_mutated_onebit_replies_are_accepted_or_rejected_cleanly(ops: list) -> N
     plan = {k: v for k, v in _PLAN.items() if k != "client_index"}
     mean = code.decode_mean([buf], client_indices=[1], **plan)
     assert mean.shape == (7, 11) and torch.isfinite(mean).all()
+
+
+# --- the client's side: mutated downlink instructions (a hostile server) ---------------
+
+_DOWNLINK_SPEC = {"name": "uniform", "bits": 4, "block": 256}
+#: Codec specs a mutated instruction may claim: other codecs, the deepest nesting a
+#: setting builds, a memory, not JSON, not an object.
+_CLAIMED_SPECS = (
+    '{"name": "sign"}',
+    '{"name": "uniform", "bits": 2, "block": 256}',
+    '{"name": "rotate", "inner": "uniform", "bits": 4, "block": 256, "entropy": "zstd"}',
+    '{"name": "ef", "inner": "sign"}',
+    "[[[[]]]]",
+    "{",
+    '"uniform"',
+)
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner),
+    max_leaves=6,
+)
+instruction_mutation = st.one_of(
+    st.tuples(st.just("payload"), st.integers(0, 100), mutation),
+    st.tuples(
+        st.just("version"),
+        st.one_of(st.integers(-(2**63), 2**63 - 1), st.text(max_size=4), st.floats()),
+    ),
+    st.tuples(st.just("checksum"), st.text(max_size=20)),
+    st.tuples(st.just("field"), st.integers(0, 10), st.integers(0, 3), _JSON),
+    st.tuples(st.just("entry"), st.integers(0, 10), _JSON),
+    st.tuples(st.just("splice"), st.integers(0, 500), st.text(max_size=8)),
+    st.tuples(st.just("entries"), st.integers(0, 10), st.sampled_from(["drop", "repeat"])),
+    st.tuples(st.just("key"), st.integers(0, 100), st.text(max_size=10)),
+    st.tuples(st.just("codec"), st.sampled_from(_CLAIMED_SPECS)),
+    st.tuples(st.just("mode"), st.text(max_size=6)),
+)
+
+
+def _lagging_client():
+    """A server 3 versions ahead of a client holding version 0 (small: under LIMIT)."""
+    rng = np.random.default_rng(0)
+    models = [
+        {
+            "w": rng.normal(size=(40, 30)).astype(np.float32),
+            "b": rng.normal(size=30).astype(np.float32),
+            "count": np.array([i], dtype=np.int64),
+        }
+        for i in range(4)
+    ]
+    server = BroadcastServer(parse_downlink(_DOWNLINK_SPEC), TensorPolicy(), RUN_SEED)
+    server.start(models[0])
+    replica = Replica().take_full(server.x_hat, 0, server.checksum)
+    server.confirmed[CLIENT] = 0
+    for model in models[1:]:
+        server.advance(model)
+    return server, replica
+
+
+_LAGGING = _lagging_client()
+
+
+def _downlink_instruction():
+    """A fresh copy of the server's own instruction to the lagging client (3 steps)."""
+    content = RecordDict({"arrays": ArrayRecord(), "config": ConfigRecord({})})
+    ReplicaSender(_LAGGING[0]).attach(content, CLIENT, model_free=True)
+    return Message(content, dst_node_id=1, message_type=MessageType.TRAIN)
+
+
+def _mutate_steps(text: str, op: tuple) -> str:
+    """The step list JSON with one field or entry replaced, text spliced in, or an
+    entry dropped or repeated."""
+    if op[0] == "splice":
+        at = op[1] % (len(text) + 1)
+        return text[:at] + op[2] + text[at:]
+    steps = json.loads(text)
+    i = op[1] % len(steps)
+    if op[0] == "field":
+        steps[i][op[2]] = op[3]
+    elif op[0] == "entry":
+        steps[i] = op[2]
+    elif op[2] == "drop":
+        del steps[i]
+    else:
+        steps.insert(i, list(steps[i]))
+    return json.dumps(steps)
+
+
+def _mutate_instruction(msg, op: tuple) -> None:
+    config, record = msg.content["config"], msg.content[RECORD_DOWNLINK]
+    keys = list(record)
+    kind = op[0]
+    if kind in ("payload", "key") and keys:
+        key = keys[op[1] % len(keys)]
+        data = bytes(record[key].data)
+        del record[key]
+        if kind == "payload":
+            record[key] = _raw_array(mutate(data, op[2]))
+        else:
+            record[op[2]] = _raw_array(data)
+    elif kind == "version":
+        config[KEY_DOWNLINK_VERSION] = op[1]
+    elif kind == "checksum":
+        config[KEY_DOWNLINK_CHECKSUM] = op[1]
+    elif kind == "codec":
+        config[KEY_DOWNLINK_CODEC] = op[1]
+    elif kind == "mode":
+        config[KEY_DOWNLINK] = op[1]
+    else:
+        try:
+            config[KEY_DOWNLINK_STEPS] = _mutate_steps(str(config[KEY_DOWNLINK_STEPS]), op)
+        except (ValueError, TypeError, LookupError, ZeroDivisionError, RecursionError):
+            pass  # an earlier mutation left no list of lists to edit: that is the case
+
+
+def _rebuild_or_refuse(msg) -> None:
+    """The client's rebuild path ends in x_hat's checksum or a ReplicaError."""
+    server, replica = _LAGGING
+    try:
+        new = rebuild_model(msg, replica)
+    except ReplicaError:
+        return
+    assert new.checksum == checksum(new.arrays) == msg.content["config"][KEY_DOWNLINK_CHECKSUM]
+    assert {k: (v.shape, v.dtype) for k, v in new.arrays.items()} == {
+        k: (v.shape, v.dtype) for k, v in server.x_hat.items()
+    }
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(instruction_mutation, min_size=1, max_size=3))
+@example(ops=[("field", 1, 1, 1)])  # two steps to version 1
+@example(ops=[("splice", 0, "[" * 1200)])  # json's own recursion
+@example(ops=[("codec", _CLAIMED_SPECS[2])])  # a deeper spec than the payloads
+def test_mutated_downlink_instructions_rebuild_or_fail_cleanly(ops: list) -> None:
+    """EXAMPLES cases (10^4 in `make fuzz`): a mutated instruction (step list, versions,
+    checksum, codec spec, record keys, payload bytes) rebuilds x_hat or is a
+    ReplicaError, under the memory cap."""
+    msg = _downlink_instruction()
+    for op in ops:
+        _mutate_instruction(msg, op)
+    _rebuild_or_refuse(msg)
+
+
+def test_the_fuzzed_instruction_rebuilds_unmutated() -> None:
+    """The target above must be able to succeed: the unmutated instruction rebuilds
+    x_hat bit for bit."""
+    server, replica = _LAGGING
+    new = rebuild_model(_downlink_instruction(), replica)
+    assert new.version == 3
+    assert all(np.array_equal(new.arrays[k], v) for k, v in server.x_hat.items())

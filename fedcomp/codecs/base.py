@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
@@ -145,8 +146,8 @@ def decode_bytes(
     Raises
     ------
     PayloadError
-        When the buffer is malformed, truncated, oversized, claims too many elements or
-        names an unknown codec.
+        When the buffer is malformed, truncated, oversized, claims too many elements,
+        names an unknown codec or nests stages more than ``MAX_NESTING`` levels deep.
     """
     payload = parse_payload(buf, max_numel)
     cls = _BY_ID.get(payload.header.codec_id)
@@ -158,6 +159,40 @@ def decode_bytes(
             )
         raise PayloadError(f"unknown codec id {payload.header.codec_id}")
     return cls.decode_payload(payload)
+
+
+#: Deepest nesting of payloads a decoder follows: the outer payload is level 1, and
+#: ``make_codec`` builds at most three levels (``entropy`` around ``rotate`` around a
+#: quantizer). Stages check only their direct inner codec, so without this bound a
+#: hand-made payload could alternate them (rotate in entropy in rotate ...) until
+#: Python's recursion limit, each level decoding the whole tensor again.
+MAX_NESTING = 3
+#: How many stages enclose the payload being decoded (0: a top-level payload).
+_ENCLOSING: contextvars.ContextVar[int] = contextvars.ContextVar("fedcomp_enclosing", default=0)
+
+
+def decode_inner(payload: Payload, what: str) -> torch.Tensor:
+    """Decode the inner payload of a stage (``rotate``, ``entropy``), counting levels.
+
+    Raises
+    ------
+    PayloadError
+        When the inner payload would be level ``MAX_NESTING + 1`` or deeper, or names an
+        unknown codec.
+    """
+    level = _ENCLOSING.get() + 2  # the stage calling this is level _ENCLOSING + 1
+    if level > MAX_NESTING:
+        raise PayloadError(
+            f"{what}: payload nested {level} levels deep, at most {MAX_NESTING} allowed"
+        )
+    cls = _BY_ID.get(payload.header.codec_id)
+    if cls is None:
+        raise PayloadError(f"{what}: unknown inner codec id {payload.header.codec_id}")
+    token = _ENCLOSING.set(level - 1)
+    try:
+        return cls.decode_payload(payload)
+    finally:
+        _ENCLOSING.reset(token)
 
 
 def header_for(codec_id: int, x: torch.Tensor, seed: int = 0) -> PayloadHeader:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from fedcomp.codecs.base import Codec, codec_class_by_id, header_for, register
+from fedcomp.codecs.base import Codec, codec_class_by_id, decode_inner, header_for, register
 from fedcomp.codecs.blocks import check_range
 from fedcomp.codecs.wire import Payload, PayloadError, check_field, parse_payload
 from fedcomp.codecs.zstdframes import compress, inflate, zstd
@@ -123,4 +123,4 @@ class EntropyCodec(Codec):
     @classmethod
     def decode_payload(cls, payload: Payload) -> torch.Tensor:
         _, inner = cls._inner_payload(payload)
-        return codec_class_by_id(inner.header.codec_id).decode_payload(inner)  # type: ignore[union-attr]
+        return decode_inner(inner, cls.name)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from fedcomp.codecs.base import Codec, codec_class_by_id, header_for, register
+from fedcomp.codecs.base import Codec, codec_class_by_id, decode_inner, header_for, register
 from fedcomp.codecs.blocks import check_range
 from fedcomp.codecs.rotation import (
     MAX_BLOCK,
@@ -150,7 +150,7 @@ class RotatedCodec(Codec):
     def decode_payload(cls, payload: Payload) -> torch.Tensor:
         h = payload.header
         params, inner = cls._split(payload)
-        y = codec_class_by_id(inner.header.codec_id).decode_payload(inner)  # type: ignore[union-attr]
+        y = decode_inner(inner, cls.name)
         x = unrotate(
             y,
             numel=h.numel,

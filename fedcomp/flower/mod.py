@@ -14,6 +14,7 @@ with an Error naming the wrapper, as Flower's central-DP mods do.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +28,7 @@ from flwr.app import (
     Error,
     Message,
     MessageType,
+    RecordDict,
 )
 from flwr.clientapp.typing import ClientAppCallable
 from flwr.common.constant import ErrorCode
@@ -81,6 +83,10 @@ from fedcomp.keys import (
 from fedcomp.onebit import OneBitCode
 
 _WRAPPER = "fedcomp.flower.strategy.CompressedStrategy"
+#: Longest error reason a failed instruction's reply carries (the exception's text may
+#: quote fields of a hostile instruction).
+MAX_REASON = 500
+_log = logging.getLogger(__name__)
 #: The message kinds this mod handles (it rebuilds train and evaluate instructions).
 HANDLES = f"{MessageType.TRAIN},{MessageType.EVALUATE}"
 
@@ -108,7 +114,36 @@ def _held_header(digest: str | None, replica: Replica | None) -> dict[str, Any]:
 
 
 def _precondition_error(msg: Message, reason: str) -> Message:
-    return Message(Error(code=ErrorCode.MOD_FAILED_PRECONDITION, reason=reason), reply_to=msg)
+    return Message(
+        Error(code=ErrorCode.MOD_FAILED_PRECONDITION, reason=reason[:MAX_REASON]), reply_to=msg
+    )
+
+
+class _AppCall:
+    """``call_next`` noting what the app (and the mods inside this one) did: its
+    exceptions and error replies are its own, passed on unchanged."""
+
+    def __init__(self, call_next: ClientAppCallable) -> None:
+        self.call_next = call_next
+        self.called = self.raised = False
+
+    def __call__(self, msg: Message, ctxt: Context) -> Message:
+        self.called = True
+        try:
+            return self.call_next(msg, ctxt)
+        except BaseException:
+            self.raised = True
+            raise
+
+
+def _restore_state(state: RecordDict, saved: dict[str, Any]) -> None:
+    """Put Context.state back as it was (the mod replaces its records, never changes
+    one in place, so the records themselves are the snapshot)."""
+    for key in [k for k in state if k not in saved]:
+        del state[key]
+    for key, record in saved.items():
+        if state.get(key) is not record:
+            state[key] = record
 
 
 class CompressionMod:
@@ -168,6 +203,32 @@ class CompressionMod:
             return call_next(msg, ctxt)
         if kind == MessageType.EVALUATE and not _from_wrapper(msg):
             return call_next(msg, ctxt)  # not fedcomp's: untouched
+        app = _AppCall(call_next)
+        saved = dict(ctxt.state.items())
+        try:
+            reply = self._handle(msg, ctxt, app)
+        except Exception as exc:  # any failure of the mod itself is an error reply
+            if app.raised:
+                raise  # the app's own exception: Flower's error reply, as without the mod
+            reason = f"CompressionMod: {type(exc).__name__}: {exc}"[:MAX_REASON]
+            # a traceback for what no check raised on purpose (a bug, or memory)
+            _log.warning("%s", reason, exc_info=not isinstance(exc, ValueError))
+            if app.called:  # encoding the reply failed: the app ran, on the right model
+                code = ErrorCode.CLIENT_APP_RAISED_EXCEPTION
+            else:  # the instruction could not be taken: nothing of it is kept
+                _restore_state(ctxt.state, saved)
+                code = ErrorCode.MOD_FAILED_PRECONDITION
+            return Message(Error(code=code, reason=reason), reply_to=msg)
+        if reply.has_error() and not app.called:  # a precondition failed: nothing kept
+            _restore_state(ctxt.state, saved)
+        return reply
+
+    def _handle(self, msg: Message, ctxt: Context, call_next: _AppCall) -> Message:
+        """One train or evaluate instruction of fedcomp's wrapper. :meth:`__call__`
+        turns any exception of the mod here into an error reply (RecursionError and
+        MemoryError included); a failure before the app runs leaves Context.state as
+        it was."""
+        kind = msg.metadata.message_type
         if is_identity_message(msg):  # first contact: answered here, no training
             return identity_reply(msg, ctxt, HANDLES)
         try:  # the run settings, when the instruction carries only their digest
@@ -239,7 +300,9 @@ class CompressionMod:
             path = self._replica_path(msg, ctxt)
             build = self.initial_model
             initial = (lambda: _as_numpy(build(msg))) if build is not None else None
-            replica = rebuild_model(msg, load_replica(ctxt.state, path), initial)
+            config = downlink_config(msg.content)
+            policy = self._policy(config) if config is not None else self.policy
+            replica = rebuild_model(msg, load_replica(ctxt.state, path), initial, policy)
             store_replica(ctxt.state if self._in_context(msg) else None, replica, path)
         except (ReplicaError, ValueError, KeyError, TypeError) as exc:
             return _precondition_error(msg, f"CompressionMod: downlink replica: {exc}")

@@ -20,14 +20,17 @@ from typing import Any
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 
-from fedcomp.codecs import TensorPolicy
+from fedcomp.codecs import Codec, TensorPolicy
 from fedcomp.downlink import (
+    MAX_STEPS,
     BroadcastServer,
     DownlinkSpec,
     Replica,
     ReplicaError,
     Step,
+    check_chain,
     checksum,
+    parse_downlink,
 )
 from fedcomp.flower.accounting import wire_bytes
 from fedcomp.keys import (
@@ -36,6 +39,7 @@ from fedcomp.keys import (
     KEY_DOWNLINK,
     KEY_DOWNLINK_ARRAYS,
     KEY_DOWNLINK_CHECKSUM,
+    KEY_DOWNLINK_CODEC,
     KEY_DOWNLINK_STEPS,
     KEY_DOWNLINK_VERSION,
     KEY_REPLICA_CHECKSUM,
@@ -64,6 +68,8 @@ class ReplicaSender:
     def __init__(self, server: BroadcastServer) -> None:
         self.server = server
         self._full: tuple[int, ArrayRecord] | None = None
+        #: The codec spec "steps" instructions carry: what their clients check against.
+        self.codec_json = json.dumps(server.spec.codec, sort_keys=True)
 
     @classmethod
     def of(cls, spec: DownlinkSpec, policy: TensorPolicy, run_seed: int) -> ReplicaSender | None:
@@ -116,6 +122,7 @@ class ReplicaSender:
                 [[s.source, s.target, s.checksum, s.scales] for s in steps]
             )
             config[KEY_DOWNLINK_ARRAYS] = arrays_key
+            config[KEY_DOWNLINK_CODEC] = self.codec_json
             mode = DOWNLINK_STEPS
         config[KEY_DOWNLINK] = mode
         config[KEY_DOWNLINK_VERSION] = self.server.version
@@ -151,14 +158,22 @@ def rebuild_model(
     msg: Message,
     replica: Replica,
     initial: Callable[[], Mapping[str, np.ndarray]] | None = None,
+    policy: TensorPolicy | None = None,
 ) -> Replica:
     """Apply what the instruction carries to the replica and put the model back into
     ``msg`` (in place, so the reply still answers this message); return the new replica.
 
+    The server (or a network without TLS) may be hostile: every field is checked before
+    anything is decoded, so one instruction costs the client at most
+    :data:`~fedcomp.downlink.MAX_STEPS` decodes of the model, whatever it holds (see
+    :meth:`Replica.take_steps`; the record is indexed in one pass). ``policy``: the
+    tensors the server sends raw (the run's policy; default :class:`TensorPolicy`).
+
     Raises
     ------
     ReplicaError
-        Anything that keeps the replica from equalling the server's x_hat.
+        Anything that keeps the replica from equalling the server's x_hat, and any
+        malformed field of the instruction (the only exception it raises on one).
 
     ``initial`` builds version 0, the initial model, on a client with no replica
     (``downlink.initial=seeded``); the checksum after the steps checks it.
@@ -167,36 +182,139 @@ def rebuild_model(
     if config is None:
         raise ReplicaError("no downlink fields")
     mode = config[KEY_DOWNLINK]
-    version, digest = int(config[KEY_DOWNLINK_VERSION]), str(config[KEY_DOWNLINK_CHECKSUM])
+    version = _field(config, KEY_DOWNLINK_VERSION, int)
+    digest = _field(config, KEY_DOWNLINK_CHECKSUM, str)
     if mode == DOWNLINK_FULL:
-        ((_, record),) = msg.content.array_records.items()
-        return replica.take_full(
-            {k: np.asarray(v.numpy()) for k, v in record.items()}, version, digest
-        )
+        return replica.take_full(_full_model(msg), version, digest)
     if mode != DOWNLINK_STEPS:
-        raise ReplicaError(f"unknown downlink mode {mode!r}")
+        raise ReplicaError(
+            f"unknown downlink mode {mode!r:.40}, allowed: {DOWNLINK_FULL}, {DOWNLINK_STEPS}"
+        )
+    codec = _downlink_codec(config)
+    arrays_key = _field(config, KEY_DOWNLINK_ARRAYS, str)
     record = msg.content.array_records.get(RECORD_DOWNLINK)
     if record is None:
         raise ReplicaError(f"a '{DOWNLINK_STEPS}' instruction without '{RECORD_DOWNLINK}'")
-    steps = []
-    for source, target, step_digest, scales in json.loads(str(config[KEY_DOWNLINK_STEPS])):
-        prefix = f"{int(target)}/"
-        payloads = {k[len(prefix) :]: record[k].data for k in record if k.startswith(prefix)}
-        scales = {str(k): float(v) for k, v in dict(scales).items()}
-        steps.append(Step(int(source), int(target), payloads, str(step_digest), scales))
+    zero = _version_zero(initial) if initial is not None and replica.arrays is None else None
+    held = replica.arrays if zero is None else zero.arrays  # the model's tensors
+    if held is None:
+        raise ReplicaError("no replica here (new, wiped or restarted): send the model")
+    steps = _step_headers(_field(config, KEY_DOWNLINK_STEPS, str), list(held))
+    check_chain(steps, version)
+    _index_payloads(record, steps, held)
     from_zero = steps[0].source == 0 if steps else version == 0
     # Steps from version 0: the server believes this client holds nothing, so a held
     # replica (e.g. a file another run left in a shared state directory) is not used.
     if initial is not None and from_zero:  # version 0, built here
-        arrays = {k: np.asarray(v) for k, v in initial().items()}
-        replica = Replica(arrays, 0, checksum(arrays))  # the final checksum vouches
-    new = replica.take_steps(steps, version, digest)
+        replica = zero if zero is not None else _version_zero(initial)
+    new = replica.take_steps(steps, version, digest, codec=codec, policy=policy)
     content = RecordDict({k: v for k, v in msg.content.items() if k != RECORD_DOWNLINK})
-    content[str(config[KEY_DOWNLINK_ARRAYS])] = ArrayRecord(
-        {k: Array(v) for k, v in (new.arrays or {}).items()}
-    )
+    content[arrays_key] = ArrayRecord({k: Array(v) for k, v in (new.arrays or {}).items()})
     msg.content = content
     return new
+
+
+def _version_zero(initial: Callable[[], Mapping[str, np.ndarray]]) -> Replica:
+    """Version 0 built by the client (the final checksum vouches for it)."""
+    arrays = {k: np.asarray(v) for k, v in initial().items()}
+    return Replica(arrays, 0, checksum(arrays))
+
+
+def _field(config: ConfigRecord, key: str, kind: type) -> Any:
+    """A config field of exactly this type (an int is never a bool here)."""
+    value = config.get(key)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise ReplicaError(f"instruction field {key}={value!r:.80}: a {kind.__name__} is needed")
+    return value
+
+
+def _full_model(msg: Message) -> dict[str, np.ndarray]:
+    """The model a "full" instruction carries (its one ArrayRecord)."""
+    records = list(msg.content.array_records.values())
+    if len(records) != 1:
+        raise ReplicaError(f"a '{DOWNLINK_FULL}' instruction with {len(records)} array records")
+    try:
+        return {k: np.asarray(v.numpy()) for k, v in records[0].items()}
+    except (ValueError, TypeError) as exc:
+        raise ReplicaError(f"the full model does not deserialize: {exc}") from exc
+
+
+def _downlink_codec(config: ConfigRecord) -> Codec:
+    """The downlink codec the instruction says the server encodes with, checked like
+    the server's own setting (a stateless codec: at most entropy around rotate around
+    a quantizer)."""
+    text = _field(config, KEY_DOWNLINK_CODEC, str)
+    try:
+        spec = json.loads(text)
+        if not isinstance(spec, dict):
+            raise ValueError(f"a JSON object is needed, got {text!r:.80}")
+        return parse_downlink(spec).build()
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise ReplicaError(f"downlink codec: {exc}") from exc
+
+
+def _max_headers_chars(names: list[str]) -> int:
+    """The longest step list the server writes for a model with these tensors: per
+    step two versions and a checksum, and a scale per tensor (name and a float)."""
+    return MAX_STEPS * (96 + sum(len(json.dumps(n)) + 32 for n in names))
+
+
+def _step_headers(text: str, names: list[str]) -> list[Step]:
+    """The instruction's step list, each entry checked: [source, target, checksum,
+    {tensor: scale}], versions integers, scales numbers for tensors of the model; the
+    steps without their payloads yet."""
+    if len(text) > _max_headers_chars(names):
+        raise ReplicaError(f"a {len(text)}-character step list, more than {MAX_STEPS} steps hold")
+    try:
+        entries = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise ReplicaError(f"the step list is not JSON: {exc!s:.200}") from exc
+    if not isinstance(entries, list) or len(entries) > MAX_STEPS:
+        raise ReplicaError(f"the step list must be a list of at most {MAX_STEPS} steps")
+    return [_step_header(entry, set(names)) for entry in entries]
+
+
+def _step_header(entry: Any, names: set[str]) -> Step:
+    def number(v: Any) -> bool:
+        return isinstance(v, int | float) and not isinstance(v, bool)
+
+    if not (isinstance(entry, list) and len(entry) == 4):
+        raise ReplicaError(f"step {entry!r:.80}: [source, target, checksum, scales] needed")
+    source, target, digest, scales = entry
+    ok = (
+        isinstance(source, int)
+        and isinstance(target, int)
+        and not isinstance(source, bool)
+        and not isinstance(target, bool)
+        and isinstance(digest, str)
+        and isinstance(scales, dict)
+        and set(scales) <= names
+        and all(number(v) for v in scales.values())
+    )
+    if not ok:
+        raise ReplicaError(
+            f"step {entry!r:.80}: integer versions, a checksum and scales of the model's "
+            "tensors needed"
+        )
+    return Step(source, target, {}, digest, {k: float(v) for k, v in scales.items()})
+
+
+def _index_payloads(record: ArrayRecord, steps: list[Step], held: Mapping[str, np.ndarray]) -> None:
+    """Put each step's payloads into it, from ONE pass over the record: every entry is
+    "<target>/<tensor>" for a listed target (the targets increase: check_chain) and a
+    tensor of the model, and there are exactly the steps' tensors."""
+    expected = len(steps) * len(held)
+    if len(record) != expected:
+        raise ReplicaError(
+            f"'{RECORD_DOWNLINK}' holds {len(record)} payloads, {len(steps)} steps of "
+            f"{len(held)} tensors make {expected}"
+        )
+    by_target = {str(step.target): step.payloads for step in steps}
+    for key, array in record.items():
+        target, _, name = key.partition("/")
+        if target not in by_target or name not in held:
+            raise ReplicaError(f"payload {key!r:.80} is not '<target>/<tensor>' of a listed step")
+        by_target[target][name] = array.data
 
 
 def replica_header(replica: Replica) -> dict[str, int | str]:
