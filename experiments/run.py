@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.runtime import PROJECT_ROOT, quiet_flower
 from fedcomp.failures import RunFailed
+from fedcomp.rules import SettingsError
 from fedcomp.settings import Settings, settings_from_dict, validate
 
 log = logging.getLogger("experiments.run")
@@ -106,6 +107,9 @@ def main(cfg: DictConfig) -> None:
         raise SystemExit(2) from None
     try:
         simulate_settings(settings, verbose=verbose)
+    except SettingsError as exc:  # the checks before Ray: data, devices, memory
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     except RunFailed as exc:
         print(f"run failed: {exc}", file=sys.stderr, flush=True)
         if HydraConfig.get().mode != RunMode.MULTIRUN:

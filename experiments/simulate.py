@@ -12,6 +12,7 @@ from experiments.runtime import ray_temp_dir
 from fedcomp.codecs import make_codec_from_spec
 from fedcomp.data import check_data_settings
 from fedcomp.models import check_model
+from fedcomp.rules import SettingsError
 from fedcomp.settings import Settings, SimulationSettings, ray_host_port, validate
 
 
@@ -157,8 +158,11 @@ def check_simulation_state(settings: Settings) -> int:
 def simulate(settings: Settings, *, verbose: bool = False) -> dict[str, Any]:
     """Check everything (before Ray starts), run the simulation, return the results."""
     settings = absolute_paths(settings)
-    preflight(settings)
-    check_simulation_state(settings)
+    try:
+        preflight(settings)
+        check_simulation_state(settings)
+    except ValueError as exc:  # every check names the key (or the data) and the value
+        raise SettingsError(str(exc)) from exc
     from flwr.simulation import run_simulation
 
     from clients.client_app import make_client_app

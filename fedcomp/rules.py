@@ -30,6 +30,11 @@ MEAN_BASED = ("fedavg", "fedavgm", "fedprox", "fedadam", "fedyogi", "fedadagrad"
 JOINT_MIN_CLIENTS = 100
 
 
+class SettingsError(ValueError):
+    """A setting (or the data it names) that cannot run, found before anything starts:
+    entry points print its message as one line and exit with status 2."""
+
+
 def fail(key: str, value: Any, allowed: str) -> NoReturn:
     """Raise the one error shape of a bad setting."""
     raise ValueError(f"invalid setting {key}={value!r}: {allowed}")
