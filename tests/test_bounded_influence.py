@@ -9,6 +9,7 @@ bounds below are computed in each test from the honest clients' own updates.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import struct
@@ -157,14 +158,16 @@ def _step(result, global_arrays) -> float:
     )
 
 
-def _honest_norms(num_clients, hostile):
-    """The honest clients' update norms of the round, from an honest run."""
+@functools.cache
+def _honest_norms(num_clients: int, hostile: tuple[int, ...]) -> tuple[float, ...]:
+    """The update norms of the round's replies when every client is honest (the same
+    round for every case of a client count: the clients train the same way)."""
     handed = []
     strategy, _, _ = run_round(
         UNIFORM, None, num_clients=num_clients, hostile=hostile, inner=_capture_inner(handed)
     )
-    global_arrays = strategy._initial_for_tests  # set below by the fixture wrapper
-    return [_step(m.content["arrays"], global_arrays) for m in handed]
+    global_arrays = strategy._initial_for_tests  # set by the _keep_initial fixture
+    return tuple(_step(m.content["arrays"], global_arrays) for m in handed)
 
 
 def _scaled(factor, weight=None):

@@ -1,0 +1,96 @@
+"""Two sweeps of the same runs side by side: does a setting change what is learned?
+
+    python -m experiments.compare_runs DIR_A DIR_B [--label-a A --label-b B] [--out FILE]
+
+Each directory holds ``<i>/results.json`` (``experiments.presets ... --out-dir DIR``);
+runs are paired by index. Per pair: the codec, the seed, every round's accuracy and
+loss equal or not (bit for bit), the final accuracies, and, from the norm rule's round
+fields, the largest ``norm_ratio`` of the run and its clipped updates
+(docs/reliability.md, "Bounded influence").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from fedcomp.results import validate_results
+
+
+def load_runs(directory: Path) -> dict[int, dict[str, Any]]:
+    """The results of a sweep directory, by run index."""
+    runs = {}
+    for path in sorted(directory.glob("*/results.json")):
+        runs[int(path.parent.name)] = validate_results(json.loads(path.read_text()))
+    return runs
+
+
+def _codec(results: dict[str, Any]) -> str:
+    spec = dict(results["config"]["codec"])
+    return "/".join(str(spec.pop(k)) for k in ("name", "inner") if k in spec) or "?"
+
+
+def _curve(results: dict[str, Any]) -> list[tuple[Any, Any]]:
+    return [(r["accuracy"], r["loss"]) for r in results["rounds"]]
+
+
+def _max_ratio(results: dict[str, Any]) -> float | None:
+    ratios = [r.get("norm_ratio") for r in results["rounds"]]
+    ratios = [v for v in ratios if v is not None]
+    return max(ratios) if ratios else None
+
+
+def pair_row(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """One table row for a pair of runs of the same configuration."""
+    ratio = _max_ratio(a)
+    return [
+        _codec(a),
+        str(a["config"]["seed"]),
+        "yes" if _curve(a) == _curve(b) else "NO",
+        f"{a['summary']['final_accuracy']:.4f}",
+        f"{b['summary']['final_accuracy']:.4f}",
+        "n/a" if ratio is None else f"{ratio:.2f}",
+        str(sum(r.get("clipped", 0) for r in a["rounds"])),
+    ]
+
+
+def compare(dir_a: Path, dir_b: Path, label_a: str, label_b: str) -> str:
+    """A markdown table pairing the runs of two sweep directories."""
+    runs_a, runs_b = load_runs(dir_a), load_runs(dir_b)
+    common = sorted(set(runs_a) & set(runs_b))
+    header = [
+        "codec",
+        "seed",
+        "every round identical",
+        f"final accuracy ({label_a})",
+        f"final accuracy ({label_b})",
+        f"largest norm ratio ({label_a})",
+        f"clipped ({label_a})",
+    ]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(pair_row(runs_a[i], runs_b[i])) + " |" for i in common]
+    same = sum(_curve(runs_a[i]) == _curve(runs_b[i]) for i in common)
+    lines.append("")
+    lines.append(f"{same} of {len(common)} pairs identical in every round's accuracy and loss.")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("dir_a", type=Path)
+    parser.add_argument("dir_b", type=Path)
+    parser.add_argument("--label-a", default="A")
+    parser.add_argument("--label-b", default="B")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    table = compare(args.dir_a, args.dir_b, args.label_a, args.label_b)
+    if args.out:
+        args.out.write_text(table + "\n")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
