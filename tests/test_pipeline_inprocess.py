@@ -23,7 +23,7 @@ from flwr.serverapp.strategy import FedAvg, FedMedian
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
 from clients.client_app import make_client_app
-from experiments.inprocess import NODE_IDS, InProcessGrid, Spy, initial_arrays
+from experiments.inprocess import NODE_IDS, InProcessGrid, Spy, initial_arrays, set_task_identity
 from fedcomp.aggregation import Aggregation
 from fedcomp.codecs import decode_bytes, make_codec
 from fedcomp.codecs.wire import HEADER_FIXED_BYTES
@@ -255,6 +255,7 @@ def _drop_bad(pid: int, reply: Message, instruction: Message) -> Message | None:
 
 @pytest.fixture(scope="module")
 def without_bad_client() -> dict[str, np.ndarray]:
+    set_task_identity()  # module-scoped fixtures run before conftest's autouse one
     arrays, strategy, *_ = one_round(tamper=_drop_bad)
     assert strategy.rounds[0]["replied"] == N - 1
     return arrays
