@@ -186,9 +186,9 @@ def expected_asks(refreshes: int) -> list[int]:
 
 def test_a_silent_node_is_asked_with_backoff_under_the_short_timeout() -> None:
     """A node that never answers costs one short wait now and then, not one every
-    round: the refreshes it is asked at follow the backoff, each wait is the reply
-    timeout (not the wait for nodes to connect), and refreshes with nothing due send
-    nothing at all."""
+    round: the refreshes it is asked at follow the backoff, each wait once the run has
+    its ``expected`` nodes is the reply timeout (the first exchange, before any node has
+    an id, may take the wait for nodes), and refreshes with nothing due send nothing."""
     refreshes = 60
     grid = FakeGrid({1: claims(0), 2: silent})
     ids = StableIds(reply_timeout=REPLY_TIMEOUT)
@@ -201,7 +201,8 @@ def test_a_silent_node_is_asked_with_backoff_under_the_short_timeout() -> None:
     assert asked_at == expected_asks(refreshes)
     assert len(asked_at) < refreshes / 2
     assert len(grid.calls) == len(asked_at)  # node 1 was asked with node 2's first ask
-    assert {timeout for _, timeout in grid.calls} == {REPLY_TIMEOUT}
+    assert grid.calls[0][1] == WAIT  # no id known yet: the run cannot start without one
+    assert {timeout for _, timeout in grid.calls[1:]} == {REPLY_TIMEOUT}
     assert ids.failures[IdentityFailure.NO_REPLY] == len(asked_at)
     assert ids.stable_ids() == [0]
 
@@ -251,7 +252,8 @@ def test_an_impostors_id_is_free_again_when_it_leaves() -> None:
     del grid.nodes[impostor]
     before = len(grid.calls)
     refresh(ids, grid)  # refresh 6: asked because 0 is free, backoff or not
-    assert grid.calls[before:] == [([honest], REPLY_TIMEOUT)]
+    # No node holds an id now (fewer than ``expected``): the long wait applies.
+    assert grid.calls[before:] == [([honest], WAIT)]
     assert ids.node_of(0) == honest
     assert ids.refused == set()
     assert ids.moved == {0}

@@ -296,7 +296,8 @@ class StableIds:
     ) -> None:
         """Wait for ``expected`` nodes, then query every node without a stable id that
         is due (the queries and replies are counted in ``traffic``). What one node
-        answers, or fails to answer within ``reply_timeout``, is its failure only.
+        answers, or fails to answer within ``reply_timeout`` (``timeout`` while fewer
+        than ``expected`` nodes have stable ids), is its failure only.
 
         Raises
         ------
@@ -314,7 +315,12 @@ class StableIds:
         if not due:
             return
         keys = node_keys(grid) if self.bind_keys else {}
-        replies = ask_identity(grid, due, self.reply_timeout, traffic)
+        # Until ``expected`` nodes have stable ids the run cannot sample them: that
+        # exchange may take the long wait (20 SuperNodes starting a ClientApp process
+        # each on a loaded 2-core machine took more than 30 s). Afterwards a silent node
+        # costs at most the short reply timeout, with backoff.
+        wait = self.reply_timeout if len(self) >= expected else max(timeout, self.reply_timeout)
+        replies = ask_identity(grid, due, wait, traffic)
         errors = self._take_replies(replies, set(due), keys, connected)
         log.info("stable ids known for %d of %d connected nodes", len(self), len(connected))
         if not self._ever_known:
