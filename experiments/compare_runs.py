@@ -28,8 +28,11 @@ def load_runs(directory: Path) -> dict[int, dict[str, Any]]:
 
 
 def _codec(results: dict[str, Any]) -> str:
+    """The uplink codec, e.g. ``ef/sparseq fraction=0.02 bits=4``."""
     spec = dict(results["config"]["codec"])
-    return "/".join(str(spec.pop(k)) for k in ("name", "inner") if k in spec) or "?"
+    name = "/".join(str(spec.pop(k)) for k in ("name", "inner") if k in spec) or "?"
+    shown = [f"{k}={spec[k]}" for k in ("fraction", "bits", "levels", "rank") if k in spec]
+    return " ".join([name, *shown])
 
 
 def _curve(results: dict[str, Any]) -> list[tuple[Any, Any]]:
