@@ -14,89 +14,23 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
+from experiments.mutant_list import MUTANTS, Mutant
 from experiments.runtime import PROJECT_ROOT
 
 
-@dataclass(frozen=True)
-class Mutant:
-    name: str
-    what: str
-    path: str
-    old: str
-    new: str
-    tests: tuple[str, ...]
-
-
-MUTANTS = (
-    Mutant(
-        "sign-scaled-by-max",
-        "scaled sign uses max|x| per block instead of mean|x|",
-        "fedcomp/codecs/quantizers.py",
-        'block_reduce(flat, self.block, "abssum") / block_counts(x.numel(), self.block)',
-        'block_reduce(flat, self.block, "amax")',
-        ("tests/test_codecs.py",),
-    ),
-    Mutant(
-        "bf16-truncation",
-        "bf16 truncates toward zero instead of rounding to nearest",
-        "fedcomp/codecs/dense.py",
-        "        cast = x.detach().to(self.wire_dtype)\n",
-        "        cast = x.detach().to(self.wire_dtype)\n"
-        "        if self.wire_dtype == torch.bfloat16:\n"
-        "            bits = x.detach().float().contiguous().view(torch.int32) & -65536\n"
-        "            cast = bits.view(torch.float32).to(torch.bfloat16)\n",
-        ("tests/test_codecs.py",),
-    ),
-    Mutant(
-        "onebit-forgets-center",
-        "the one-bit decoder drops the coarse center from the estimate",
-        "fedcomp/onebit/decode.py",
-        "mean[first : first + count] = center + _median_of_means(est, group_weight)",
-        "mean[first : first + count] = _median_of_means(est, group_weight)",
-        ("tests/test_onebit.py",),
-    ),
-    Mutant(
-        "tree-drops-a-leaf",
-        "a reduction tree treats leaf 0 as zero",
-        "fedcomp/trees/reduce.py",
-        "            return cast[node], False",
-        "            return (torch.zeros_like(cast[node]) if node == 0 else cast[node]), False",
-        ("tests/test_trees.py", "tests/test_tree_aggregation.py"),
-    ),
-    Mutant(
-        "traffic-misses-evaluate",
-        "evaluate instructions are not counted",
-        "fedcomp/flower/accounting.py",
-        "    wire = wire_bytes(msg)\n",
-        "    wire = wire_bytes(msg)\n"
-        "    if kind == Kind.EVALUATE_INSTRUCTION:\n"
-        "        return wire\n",
-        ("tests/test_traffic.py",),
-    ),
-    Mutant(
-        "downlink-unscaled-feedback",
-        "downlink error feedback adds decode(p) unscaled (diverges for noisy codecs)",
-        "fedcomp/downlink.py",
-        "return max(float(d @ q) / qq, 0.0) if qq > 0 else 1.0",
-        "return 1.0",
-        ("tests/test_downlink.py",),
-    ),
-    Mutant(
-        "replica-skips-checksum",
-        "a client trains on a replica whose checksum differs from the server's",
-        "fedcomp/downlink.py",
-        "        if got != digest:\n            raise ReplicaError(",
-        "        if False:\n            raise ReplicaError(",
-        ("tests/test_downlink.py",),
-    ),
-)
+def killing_test(stdout: str) -> str:
+    """The first test pytest reports as failed or errored (``-rfE``), or ""."""
+    for line in stdout.splitlines():
+        if line.startswith(("FAILED ", "ERROR ")):
+            return line.split(" ", 1)[1].split(" - ", 1)[0]
+    return ""
 
 
 def run_mutant(mutant: Mutant, head: str) -> tuple[bool, float, str]:
-    """Apply the mutant in a worktree of ``head``; return (killed, seconds, last line)."""
+    """Apply the mutant in a worktree of ``head``; return (killed, seconds, the test
+    that failed first, or pytest's last line when none did)."""
     with tempfile.TemporaryDirectory(prefix=f"mutant-{mutant.name}-") as tmp:
         tree = Path(tmp) / "tree"
         subprocess.run(
@@ -118,6 +52,7 @@ def run_mutant(mutant: Mutant, head: str) -> tuple[bool, float, str]:
                     "pytest",
                     "-x",
                     "-q",
+                    "-rfE",
                     "-p",
                     "no:cacheprovider",
                     "-m",
@@ -131,7 +66,8 @@ def run_mutant(mutant: Mutant, head: str) -> tuple[bool, float, str]:
             )
             seconds = time.perf_counter() - t0
             lines = [ln for ln in out.stdout.splitlines() if ln.strip()]
-            return out.returncode != 0, seconds, lines[-1] if lines else ""
+            killer = killing_test(out.stdout)
+            return out.returncode != 0, seconds, killer or (lines[-1] if lines else "")
         finally:
             subprocess.run(
                 ["git", "worktree", "remove", "--force", str(tree)], cwd=PROJECT_ROOT, check=False
@@ -150,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         check=True,
     ).stdout.strip()
     rows = [
-        "| mutant | the bug | tests run | caught | seconds | pytest's last line |",
+        "| mutant | the bug | tests run | caught | seconds | killed by |",
         "|---|---|---|---|---|---|",
     ]
     survived = 0
