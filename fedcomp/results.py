@@ -124,6 +124,9 @@ class RoundCounts:
     #: Error replies by fault kind (injected faults, ``error_reply``), plus
     #: ``rejected_reply`` for every reply the server refused.
     faults: dict[str, int] = field(default_factory=dict)
+    #: Identity exchanges (first contact) that failed before this round, by kind
+    #: (fedcomp.flower.identity.IdentityFailure).
+    identity_failures: dict[str, int] = field(default_factory=dict)
     #: Refused replies by failure kind (fedcomp.failures.Failure).
     rejected: dict[str, int] = field(default_factory=dict)
     decode_s: float = 0.0

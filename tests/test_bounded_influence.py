@@ -391,3 +391,38 @@ def test_a_bad_setting_is_one_line_and_exit_status_2(tmp_path):
         "error: invalid setting aggregation.chunk_size=1024: "
     ), proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_a_bad_identity_reply_is_counted_in_the_next_round_record(monkeypatch):
+    """A node answering its identity message with a float id has no stable id (it is
+    never sampled); its failures are counted, by kind, in round 1's record."""
+    import fedcomp.flower.identity as identity
+
+    honest_id = identity.stable_id_of
+
+    def float_for_one(context):
+        sid = honest_id(context)
+        return float(sid) + 0.5 if sid == HOSTILE[0] else sid
+
+    monkeypatch.setattr(identity, "stable_id_of", float_for_one)
+    strategy, _, _ = run_round(UNIFORM, None, tamper=lambda pid, r, i: r)
+    # Asked at first contact (start) and again at round 1's refresh (backoff 1).
+    assert strategy.rounds[0]["identity_failures"] == {"bad_id": 2}
+    assert strategy.rounds[0]["selected"] == N - 1 == strategy.rounds[0]["replied"]
+
+
+def test_a_failing_inner_configure_skips_the_round_not_the_run(caplog):
+    from flwr.serverapp.strategy import FedAvg
+
+    def configure(self, server_round, arrays, config, grid):
+        if server_round == 1:
+            raise RuntimeError("inner configure bug")
+        return FedAvg.configure_train(self, server_round, arrays, config, grid)
+
+    Flaky = type("FedAvg", (FedAvg,), {"configure_train": configure})
+    caplog.set_level(logging.ERROR, logger="fedcomp.flower.strategy")
+    strategy, _, _ = run_round(
+        UNIFORM, None, inner=Flaky(fraction_evaluate=0.0), rounds=2, tamper=lambda p, r, i: r
+    )
+    assert any("failed in configure_train" in m for m in caplog.messages)
+    assert strategy.rounds[-1]["round"] == 2 and strategy.rounds[-1]["replied"] == N

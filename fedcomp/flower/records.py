@@ -147,6 +147,7 @@ def round_record(
         "rejected": dict(counts.rejected),
         **({"aggregate_nonfinite": 1} if counts.aggregate_nonfinite else {}),
         **({"inner_failed": 1} if counts.inner_failed else {}),
+        **({"identity_failures": counts.identity_failures} if counts.identity_failures else {}),
         "capped": counts.capped,
         "clipped": counts.clipped,
         "norm_ratio": counts.norm_ratio,

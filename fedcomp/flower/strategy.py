@@ -204,6 +204,8 @@ class CompressedStrategy(Strategy):
         self._state: RoundState | None = None
         #: Messages exchanged between rounds (first contact), counted in the next one.
         self._pending_traffic = Traffic()
+        #: Identity failures already reported in a round record, by kind.
+        self._identity_seen: dict[Any, int] = {}
         #: The last round's reference norm (fedcomp.influence.reference_norm): what a
         #: round with a single reply is clipped against.
         self._reference_norm: float | None = None
@@ -339,6 +341,34 @@ class CompressedStrategy(Strategy):
             traffic=self._pending_traffic,
         )
 
+    def _new_identity_failures(self) -> dict[str, int]:
+        """Identity exchanges that failed since the last call, by kind."""
+        total = dict(self.clients.ids.failures)
+        new = {str(k): v - self._identity_seen.get(k, 0) for k, v in total.items()}
+        self._identity_seen = total
+        return {k: v for k, v in new.items() if v}
+
+    def _inner_configure(
+        self, method: str, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> list[Message]:
+        """The inner strategy's instructions; a failure there skips the round's
+        instructions (logged), never the run."""
+        try:
+            return list(getattr(self.strategy, method)(server_round, arrays, config, grid))
+        except Exception as exc:
+            log.error(
+                "round %d: the inner strategy %s failed in %s (%s: %s); nothing is sent",
+                server_round,
+                type(self.strategy).__name__,
+                method,
+                type(exc).__name__,
+                exc,
+                exc_info=exc,
+            )
+            if self._state is not None and self._state.number == server_round:
+                self._state.record.inner_failed = 1
+            return []
+
     def _sample(self, server_round: int, fraction: float, purpose: str) -> list[int]:
         minimum = (
             self.sampling.min_train_nodes
@@ -394,12 +424,13 @@ class CompressedStrategy(Strategy):
         t_start = time.perf_counter()
         self._refresh_ids(grid)
         state = RoundState(number=server_round, t_start=t_start)
+        state.record.identity_failures = self._new_identity_failures()
         state.traffic, self._pending_traffic = self._pending_traffic, Traffic()
         state.global_arrays = {k: np.asarray(v.numpy()) for k, v in arrays.items()}
         self._state = state
         if self.replicas is not None:
             self.replicas.server.start(state.global_arrays)  # version 0: the initial model
-        template = list(self.strategy.configure_train(server_round, arrays, config, grid))
+        template = self._inner_configure("configure_train", server_round, arrays, config, grid)
         if not template:
             return []
         selected = self._sample(server_round, self.sampling.fraction_train, "train-sample")
@@ -569,7 +600,7 @@ class CompressedStrategy(Strategy):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         server_round += self._offset
-        template = list(self.strategy.configure_evaluate(server_round, arrays, config, grid))
+        template = self._inner_configure("configure_evaluate", server_round, arrays, config, grid)
         if not template:
             return []
         selected = self._sample(server_round, self.sampling.fraction_evaluate, "evaluate-sample")
