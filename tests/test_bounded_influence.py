@@ -311,7 +311,7 @@ def test_not_learning_is_judged_from_the_definition():
     edge = {"loss": (1 - 0.05) * 2.30, "accuracy": 0.056 + 0.05}
     assert not_learning(initial, edge, 0.05) is None
     short = {"loss": np.nextafter(edge["loss"], 9.0), "accuracy": edge["accuracy"]}
-    assert not_learning(initial, short, 0.05) is not None
+    assert not_learning(initial, short, 0.05) == f"central loss {short['loss']:.4g} (initial 2.3)"
     assert not_learning({}, {"loss": 9.0}, 0.05) is None  # nothing to judge
     with pytest.raises(RunFailed, match=r"did not learn.*round 4.*my cause"):
         fail_if_not_learning(
