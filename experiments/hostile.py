@@ -205,6 +205,11 @@ def _hostile(behaviour, kind: str = MessageType.TRAIN, hostile_ids=tuple(HOSTILE
     return tamper
 
 
+class PeakNotMeasurable(RuntimeError):
+    """The kernel's peak-RSS mark cannot be reset here (no writable
+    /proc/self/clear_refs): a measured peak would be 0, not the aggregation's."""
+
+
 def run_round(
     codec,
     behaviour,
@@ -227,6 +232,13 @@ def run_round(
     make-up. Returns the strategy, the result and the server's peak memory while
     aggregating that round's train replies."""
     set_task_identity()  # module-scoped fixtures run before conftest's autouse one
+    # Without a reset the mark stays at the process's lifetime peak, so the peak of the
+    # aggregation would read as 0 and every memory bound would pass: refuse instead.
+    if not reset_peak_rss():
+        raise PeakNotMeasurable(
+            "cannot reset the kernel's peak-RSS mark (/proc/self/clear_refs is not "
+            "writable here): the server's peak memory while aggregating cannot be measured"
+        )
     fraction_evaluate = 1.0 if evaluate else 0.0
     settings = settings_from_dict(
         {
@@ -259,7 +271,8 @@ def run_round(
 
     def measured(server_round, replies):
         replies = list(replies)
-        reset_peak_rss()
+        if not reset_peak_rss():  # checked above; a mark that stops resetting is no peak
+            raise PeakNotMeasurable("the peak-RSS mark could not be reset before aggregating")
         base = peak_rss()
         with address_space_cap(4 << 30):
             out = aggregate(server_round, replies)

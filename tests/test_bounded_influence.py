@@ -314,9 +314,12 @@ def test_not_learning_is_judged_from_the_definition():
     # Boundaries: the loss must be strictly below, the accuracy at least the margin up.
     edge = {"loss": np.nextafter(2.30, 0.0), "accuracy": 0.056 + 0.05}
     assert not_learning(initial, edge, 0.05) is None
-    assert "loss" in not_learning(initial, {**edge, "loss": 2.30}, 0.05)
+    flat = {**edge, "loss": 2.30}
+    assert not_learning(initial, flat, 0.05) == "central loss 2.3 is not below the initial 2.3"
     short = {**edge, "accuracy": np.nextafter(edge["accuracy"], 0.0)}
-    assert "accuracy" in not_learning(initial, short, 0.05)
+    assert not_learning(initial, short, 0.05) == (
+        f"accuracy {short['accuracy']:.4f} is not 0.05 above the initial 0.0560"
+    )
     assert not_learning({}, {"loss": 9.0}, 0.05) is None  # nothing to judge
     with pytest.raises(RunFailed, match=r"did not learn.*round 4.*my cause"):
         fail_if_not_learning(

@@ -23,6 +23,7 @@ from experiments.hostile import (
     SCENARIOS,
     UNIFORM,
     N,
+    PeakNotMeasurable,
     _map_payloads,
     extra_metric,
     max_everything,
@@ -45,6 +46,14 @@ PEAK_SLACK = 48 << 20
 #: And the per-client path's whole peak above the RSS when aggregation starts: the
 #: decoded updates and the hand-over of 13 x 0.4 MB plus allocator slack.
 PEAK_BOUND = 96 << 20
+
+
+def test_a_peak_that_cannot_be_reset_fails_loudly_instead_of_measuring_zero(monkeypatch):
+    """Where /proc/self/clear_refs cannot be written the high-water mark is the
+    process's lifetime peak: peak - base would be 0 and every bound below would pass."""
+    monkeypatch.setattr("experiments.hostile.reset_peak_rss", lambda: False)
+    with pytest.raises(PeakNotMeasurable, match="clear_refs"):
+        run_round(UNIFORM, None)
 
 
 @pytest.fixture(scope="module")

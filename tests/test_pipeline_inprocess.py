@@ -347,7 +347,9 @@ def test_whole_job_in_process_learns_and_reports(caplog: pytest.LogCaptureFixtur
     results = run_server(InProcessGrid(make_client_app(), N), settings, on_round=seen.append)
     assert [r["round"] for r in seen] == [1, 2] == [r["round"] for r in results["rounds"]]
     assert results["summary"]["final_accuracy"] > results["summary"]["initial_accuracy"] + 0.2
-    assert results["rounds"][-1]["client_accuracy"] is not None
+    # the clients' own evaluation of the final model learned by the same margin
+    client_accuracy = results["rounds"][-1]["client_accuracy"]
+    assert results["summary"]["initial_accuracy"] + 0.2 < client_accuracy <= 1.0
     assert results["summary"]["ratio_vs_fp32_codec"] == 1.0
     assert any("round 2/2 | accuracy" in r.getMessage() for r in caplog.records)
 

@@ -107,7 +107,13 @@ def test_residual_cifar10_smoke_runs_two_rounds_at_identical_bytes(data_fixtures
     for name in ("uniform", "residual"):
         assert by_codec[name]["summary"]["ratio_vs_fp32_codec"] > 10
     assert by_codec["fp32"]["summary"]["ratio_vs_fp32_codec"] == 1.0
-    assert by_codec["residual"]["rounds"][1]["codec"]["residual_over_delta"] is not None
+    # Round 2 codes residuals against round 1's control variates: the ratio is what
+    # its definition says, of two positive mean squared norms.
+    rec = by_codec["residual"]["rounds"][1]["codec"]
+    assert rec["residual_norm2_mean"] > 0 and rec["delta_norm2_mean"] > 0
+    assert rec["residual_over_delta"] == pytest.approx(
+        rec["residual_norm2_mean"] / rec["delta_norm2_mean"], rel=1e-12
+    )
 
 
 def test_trees_femnist_smoke_runs_two_rounds_through_each_tree(data_fixtures) -> None:
@@ -311,6 +317,11 @@ def test_onebit_cifar10_smoke_runs_two_rounds_with_the_exact_mean_measured(
         for rnd in results["rounds"]:
             assert (rnd["replied"], rnd["failures"]) == (8, 0)
             diag = rnd["diagnostics"]
+            # the relative error is what its definition says (mse / power, both > 0)
+            assert diag["update_power"] > 0
+            assert diag["update_rel_mse"] == pytest.approx(
+                diag["update_mse"] / diag["update_power"], rel=1e-12
+            )
             if s.codec["name"] == "fp32":
                 assert diag["update_rel_mse"] < 1e-10
             else:
