@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 # Nothing downloads at test time: datasets and huggingface_hub fail at once when a
@@ -29,14 +30,28 @@ hypothesis_settings.load_profile(os.environ.get("FEDCOMP_HYPOTHESIS_PROFILE", "c
 set_task_identity()
 
 
+#: The runner's own signal handlers. ray.init (a simulation test) leaves one in the
+#: driver that turns SIGTERM into SystemExit: pytest then reports it as the running
+#: test's failure and goes on, where a stopped CI job must stop.
+_SIGNALS = {
+    sig: handler
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    if (handler := signal.getsignal(sig)) is not None
+}
+
+
 def _reset_process_state() -> None:
     """What every test may assume of the process, whatever ran before it: Flower's task
-    identity set, and torch's global generator at seed 0 (a test or fixture that draws
-    from it, torch.randn without a generator, sees the same numbers in any order)."""
+    identity set, torch's global generator at seed 0 (a test or fixture that draws from
+    it, torch.randn without a generator, sees the same numbers in any order), and the
+    runner's signal handlers."""
     import torch
 
     set_task_identity()
     torch.manual_seed(0)
+    for sig, handler in _SIGNALS.items():
+        if signal.getsignal(sig) is not handler:
+            signal.signal(sig, handler)
 
 
 @pytest.hookimpl(tryfirst=True)
