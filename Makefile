@@ -23,10 +23,11 @@ $(STAMP): pyproject.toml constraints.txt
 run: $(STAMP)
 	$(PY) -m experiments.run
 
-## test: set up, then lint and the fast test suite
+## test: set up, then lint and the fast test suite in a shuffled order (pytest-randomly;
+## the seed is printed at the end, replay an order with `make test TEST_SEED=N`)
 test: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m pytest -m "not slow" -q
+	$(PY) -m pytest -m "not slow" -q -p randomly $(if $(TEST_SEED),--randomly-seed=$(TEST_SEED))
 
 ## test-slow: the slow tests
 test-slow: $(STAMP)

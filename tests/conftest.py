@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 # Nothing downloads at test time: datasets and huggingface_hub fail at once when a
@@ -24,19 +25,60 @@ hypothesis_settings.register_profile("fuzz", database=None, print_blob=True)
 hypothesis_settings.load_profile(os.environ.get("FEDCOMP_HYPOTHESIS_PROFILE", "ci"))
 
 
-@pytest.fixture(autouse=True)
-def _task_identity() -> None:
-    """Flower Messages built outside a runtime need the task identity fields."""
-    set_task_identity()
+# Flower Messages built outside a runtime need the task identity fields; set them at
+# import too, for code that runs while the test modules are collected.
+set_task_identity()
 
 
-@pytest.fixture(autouse=True)
-def _seeded_torch() -> None:
-    """Every test starts from the same torch seed: a test that draws from the global
-    generator (torch.randn without a generator) sees the same numbers every run."""
+#: The runner's own signal handlers. ray.init (a simulation test) leaves one in the
+#: driver that turns SIGTERM into SystemExit: pytest then reports it as the running
+#: test's failure and goes on, where a stopped CI job must stop.
+_SIGNALS = {
+    sig: handler
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    if (handler := signal.getsignal(sig)) is not None
+}
+
+
+def _reset_process_state() -> None:
+    """What every test may assume of the process, whatever ran before it: Flower's task
+    identity set, torch's global generator at seed 0 (a test or fixture that draws from
+    it, torch.randn without a generator, sees the same numbers in any order), and the
+    runner's signal handlers."""
     import torch
 
+    set_task_identity()
     torch.manual_seed(0)
+    for sig, handler in _SIGNALS.items():
+        if signal.getsignal(sig) is not handler:
+            signal.signal(sig, handler)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before any fixture of the test is set up: module- and session-scoped fixtures
+    are created during the setup of whichever test needs them first, before any
+    function-scoped fixture runs, so an autouse fixture alone would leave them seeing
+    what the previous test (in a shuffled order, any test) left behind."""
+    _reset_process_state()
+
+
+@pytest.fixture(autouse=True)
+def _process_state() -> None:
+    """And again after the wider-scoped fixtures, in case one of them changed it."""
+    _reset_process_state()
+
+
+def pytest_terminal_summary(
+    terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config
+) -> None:
+    """Print the shuffle seed at the end (pytest-randomly shows it only in the header,
+    which -q hides): a failing order replays with ``--randomly-seed=N``."""
+    if config.pluginmanager.hasplugin("randomly"):
+        seed = config.getoption("randomly_seed")
+        terminalreporter.write_line(
+            f"test order: --randomly-seed={seed} (replay: make test TEST_SEED={seed})"
+        )
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,7 @@ fresh virtual environment (offline: the dependencies are this environment's)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import sysconfig
@@ -63,8 +64,10 @@ def test_the_wheel_installs_only_fedcomp_and_its_public_imports_work(tmp_path: P
         "print(fedcomp.__file__)\n"
         "print([m for m in ('clients', 'strategies', 'experiments') if u.find_spec(m)])\n"
     )
+    # Without PYTHONPATH: a checkout on it (as when testing a worktree) would be imported.
+    clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     out = subprocess.run(
-        [python, "-c", code], check=True, capture_output=True, text=True, cwd=tmp_path
+        [python, "-c", code], check=True, capture_output=True, text=True, cwd=tmp_path, env=clean
     ).stdout.splitlines()
     assert out[0].startswith(site)  # the wheel's copy, not this checkout
     assert out[1] == "[]"
