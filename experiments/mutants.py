@@ -93,8 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     for mutant in MUTANTS:
         killed, seconds, last = run_mutant(mutant, head)
         survived += not killed
+        what, last = mutant.what.replace("|", "\\|"), last.replace("|", "\\|")
         rows.append(
-            f"| {mutant.name} | {mutant.what} | {', '.join(mutant.tests)} | "
+            f"| {mutant.name} | {what} | {', '.join(mutant.tests)} | "
             f"{'yes' if killed else '**NO**'} | {seconds:.0f} | {last} |"
         )
         print(rows[-1], flush=True)

@@ -447,6 +447,18 @@ def test_median_of_means_decodes_close_to_the_mean():
     _assert_unbiased(est, x.astype(np.float64).mean(0))
 
 
+def test_median_of_means_around_a_side_center_adds_the_center_back():
+    """With a side center c (center="previous"), the median-of-means decoder estimates
+    the mean as c + MoM(refinements): unbiased for the mean, whatever c is."""
+    rng = np.random.default_rng(15)
+    n, d = 300, 256
+    x = (rng.standard_t(4, (n, d)) + 2.0).astype(np.float32)
+    side = torch.full((d,), 2.25, dtype=torch.float64)  # near the mean, not at it
+    code = OneBitCode(bits=2, center="previous", groups=3, block=256)
+    est = _monte_carlo(code, x, reps=20, side=side)
+    _assert_unbiased(est, x.astype(np.float64).mean(0))
+
+
 # --------------------------------------------------------------------------- influence
 def test_one_client_moves_the_estimate_at_most_by_the_bound():
     """With the center fixed, one client's answers move the estimate by at most
