@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.fedcomp-installed
 export FLWR_TELEMETRY_ENABLED := 0
 export FLWR_HOME := $(CURDIR)/.flwr
 
-.PHONY: run test test-slow deploy-test lint data bench bench-scale bench-dme leaderboard fuzz mutants wheel clean
+.PHONY: run test test-slow deploy-test lint data bench bench-scale bench-dme leaderboard fuzz mutants mutation wheel clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -89,6 +89,12 @@ fuzz: $(STAMP)
 mutants: $(STAMP)
 	$(PY) -m experiments.mutants --out experiments/results/mutants.md
 
+## mutation: mutmut over the protocol cores with their fast tests, survivors triaged
+## (scope in pyproject.toml [tool.mutmut]; works in ./mutants, git-ignored)
+mutation: $(STAMP)
+	rm -rf mutants
+	$(PY) -m experiments.mutation --out experiments/results/mutation.md
+
 ## wheel: the installable package (fedcomp only; this repository's apps are not shipped)
 wheel: $(STAMP)
 	$(PY) -m pip wheel --no-deps --no-build-isolation -q -w dist .
@@ -98,4 +104,4 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 
 clean:
-	rm -rf $(VENV) .flwr .ray outputs multirun .pytest_cache
+	rm -rf $(VENV) .flwr .ray outputs multirun .pytest_cache mutants
