@@ -258,7 +258,7 @@ def test_a_failing_inner_strategy_fails_the_round_not_the_run(handoff, caplog):
         RunFailed, match=r"every round was discarded.*of the 2 round.*inner_failed 2"
     ):
         run_round(UNIFORM, None, handoff=handoff, inner=inner, rounds=2)
-    assert sum("failed to aggregate" in m for m in caplog.messages) == 2
+    assert sum("failed in aggregate_train" in m for m in caplog.messages) == 2
     # One failed round among good ones fails that round only: the model is kept there.
     failing = {2}
 
@@ -429,3 +429,16 @@ def test_a_failing_inner_configure_skips_the_round_not_the_run(caplog):
     )
     assert any("failed in configure_train" in m for m in caplog.messages)
     assert strategy.rounds[-1]["round"] == 2 and strategy.rounds[-1]["replied"] == N
+
+
+def test_the_num_examples_bound_setting_is_checked_at_its_ends():
+    from fedcomp.settings import settings_from_dict, validate
+
+    def settings(value):
+        return validate(settings_from_dict({"aggregation": {"max_num_examples": value}}))
+
+    assert settings(1.0).aggregation.max_num_examples == 1.0
+    assert settings(1e15).aggregation.max_num_examples == 1e15
+    for bad in (0.0, np.nextafter(1.0, 0.0), np.nextafter(1e15, math.inf), math.nan):
+        with pytest.raises(ValueError, match=r"aggregation\.max_num_examples"):
+            settings(float(bad))

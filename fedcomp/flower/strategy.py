@@ -356,15 +356,7 @@ class CompressedStrategy(Strategy):
         try:
             return list(getattr(self.strategy, method)(server_round, arrays, config, grid))
         except Exception as exc:
-            log.error(
-                "round %d: the inner strategy %s failed in %s (%s: %s); nothing is sent",
-                server_round,
-                type(self.strategy).__name__,
-                method,
-                type(exc).__name__,
-                exc,
-                exc_info=exc,
-            )
+            self._log_inner_failure(server_round, method, "nothing is sent", exc)
             if self._state is not None and self._state.number == server_round:
                 self._state.record.inner_failed = 1
             return []
@@ -482,11 +474,11 @@ class CompressedStrategy(Strategy):
         self.decoder.accept(decoded, state, self.clients.accepted_round)
         decode_s = time.perf_counter() - t0
 
-        decoded = self._bound_influence(decoded, state)
+        bounded = self._bound_influence(decoded, state)
         t1 = time.perf_counter()
         arrays, metrics = None, None
         try:
-            replies_in = self.handoff_impl.replies(decoded, state) if decoded else None
+            replies_in = self.handoff_impl.replies(decoded, state) if bounded else None
         finally:  # the replies are acknowledged: their mirrors move whatever happens
             self.decoder.commit_deferred(decoded, state)
         if not decoded:
@@ -520,9 +512,10 @@ class CompressedStrategy(Strategy):
             state.record.downlink = self.replicas.advance(new_arrays)
         return arrays, metrics
 
-    def _bound_influence(self, decoded: list[Decoded], state: RoundState) -> list[Decoded]:
-        """Cap weights and clip norms (fedcomp.influence); a round whose total weight is
-        not finite hands nothing over (the model is kept)."""
+    def _bound_influence(self, decoded: list[Decoded], state: RoundState) -> bool:
+        """Cap weights and clip norms (fedcomp.influence); False when there is nothing
+        to hand over: no reply, or a total weight that is not finite (the model is kept;
+        the accepted replies' mirrors still move, as they were acknowledged)."""
         state.record.capped = cap_weights(decoded, self.influence.weight_cap)
         if not self.joint:
             state.record.clipped, reference, state.record.norm_ratio = clip_norms(
@@ -532,8 +525,22 @@ class CompressedStrategy(Strategy):
         if decoded and not total_weight_is_finite([d.weight for d in decoded]):
             log.error("round %d: the total weight is not finite; the model is kept", state.number)
             state.record.aggregate_nonfinite = 1
-            return []
-        return decoded
+            return False
+        return bool(decoded)
+
+    def _log_inner_failure(
+        self, server_round: int, method: str, outcome: str, exc: Exception
+    ) -> None:
+        log.error(
+            "round %d: the inner strategy %s failed in %s (%s: %s); %s",
+            server_round,
+            type(self.strategy).__name__,
+            method,
+            type(exc).__name__,
+            exc,
+            outcome,
+            exc_info=exc,
+        )
 
     def _inner_aggregate(
         self, server_round: int, replies: list[Message], state: RoundState
@@ -543,15 +550,7 @@ class CompressedStrategy(Strategy):
         try:
             return self.strategy.aggregate_train(server_round, replies)
         except Exception as exc:
-            log.error(
-                "round %d: the inner strategy %s failed to aggregate (%s: %s); the global "
-                "model is kept",
-                server_round,
-                type(self.strategy).__name__,
-                type(exc).__name__,
-                exc,
-                exc_info=exc,
-            )
+            self._log_inner_failure(server_round, "aggregate_train", "the model is kept", exc)
             state.record.inner_failed = 1
             return None, None
 
