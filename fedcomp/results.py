@@ -184,6 +184,38 @@ def _check_fields(
             raise ResultsError(f"{where}.{key}: non-finite value {value!r}")
 
 
+#: A deployment run's ``socket`` section (experiments/deployment/socket_count.py): every
+#: byte of the counted SuperNodes' connections, the per-run constants apart.
+SOCKET_FIELDS: dict[str, tuple[type, ...]] = {
+    "counted_nodes": (int,),
+    "connections": (int,),
+    "opaque_connections": (int,),
+    "calls": (int,),
+    "total_bytes": (int,),
+    "setup_bytes": (int,),
+    "setup_calls": (dict,),
+    "teardown_bytes": (int,),
+    "unattributed_bytes": (int,),
+    "rounds": (list,),
+}
+SOCKET_ROUND_FIELDS: dict[str, tuple[type, ...]] = {
+    "round": (int,),
+    "socket_bytes": (int,),
+    "idle_bytes": (int,),
+    "calls": (int,),
+    "kinds": (dict,),
+}
+
+
+def _check_socket(sock: Any) -> None:
+    _check_fields(sock, SOCKET_FIELDS, "socket")
+    for i, rnd in enumerate(sock["rounds"]):
+        _check_fields(rnd, SOCKET_ROUND_FIELDS, f"socket.rounds[{i}]")
+    parts = sock["setup_bytes"] + sock["teardown_bytes"] + sock["unattributed_bytes"]
+    if parts + sum(r["socket_bytes"] for r in sock["rounds"]) != sock["total_bytes"]:
+        raise ResultsError("socket: set-up, teardown, rounds and unattributed bytes != total")
+
+
 def validate_results(obj: Any) -> dict[str, Any]:
     """Check that ``obj`` has the results shape; return it.
 
@@ -210,6 +242,8 @@ def validate_results(obj: Any) -> dict[str, Any]:
         for j, client in enumerate(rnd["per_client"]):
             _check_fields(client, CLIENT_FIELDS, f"rounds[{i}].per_client[{j}]")
     _check_fields(obj.get("summary"), SUMMARY_FIELDS, "summary")
+    if "socket" in obj:
+        _check_socket(obj["socket"])
     return dict(obj)
 
 

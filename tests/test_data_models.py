@@ -142,3 +142,32 @@ def test_results_builder_and_validator() -> None:
         mutate(broken)
         with pytest.raises(ResultsError, match=needle):
             validate_results(broken)
+
+
+def test_a_socket_section_must_close_its_accounting() -> None:
+    """results.json's ``socket`` (deployment runs): its parts add up to its total."""
+    results = build_results({"seed": 0}, [_round(1)], wall_s=1.0)
+    rnd = {"round": 1, "socket_bytes": 700, "idle_bytes": 50, "calls": 9, "kinds": {}}
+    results["socket"] = {
+        "counted_nodes": 1,
+        "connections": 2,
+        "opaque_connections": 0,
+        "calls": 12,
+        "total_bytes": 1000,
+        "setup_bytes": 250,
+        "setup_calls": {"GetFab": 250},
+        "teardown_bytes": 40,
+        "unattributed_bytes": 10,
+        "rounds": [rnd],
+    }
+    assert validate_results(results)["socket"]["total_bytes"] == 1000
+    for mutate, needle in [
+        (lambda s: s.update(total_bytes=1001), "!= total"),
+        (lambda s: s["rounds"][0].update(socket_bytes=699), "!= total"),
+        (lambda s: s.pop("setup_bytes"), "setup_bytes"),
+        (lambda s: s["rounds"][0].pop("kinds"), r"socket\.rounds\[0\]: missing field\(s\) kinds"),
+    ]:
+        broken = copy.deepcopy(results)
+        mutate(broken["socket"])
+        with pytest.raises(ResultsError, match=needle):
+            validate_results(broken)

@@ -484,6 +484,60 @@ def test_loopback_job_matches_the_in_process_path_byte_for_byte(tmp_path: Path) 
     print(f"\nloopback deployment, 2 SuperNodes x 2 rounds: {elapsed:.1f} s end to end")
 
 
+@pytest.mark.deployment
+def test_socket_bytes_account_for_every_message_fedcomp_counted(tmp_path: Path) -> None:
+    """The network comparison, in make test: one SuperNode, one round, through the
+    launcher's counting proxy and the SuperNode's own call log (tap.py).
+
+    Equalities that must hold: (1) every byte of every connection belongs to one call
+    (heads and bodies), and the run's constants, its teardown and its rounds add up to
+    the total; (2) the bodies at the socket are the protobuf bodies the SuperNode
+    serialized, call for call; (3) per round and message kind, the messages and the
+    object bytes that crossed the socket are results.json's traffic (fedcomp's count).
+    And the socket costs more than the objects: what a user pays on top."""
+    from experiments.deployment.socket_count import check_totals, read_socket_log
+
+    # No client-side evaluation: one ClientApp process fewer, and train messages suffice.
+    one = {**JOB, "num_clients": 1, "num_rounds": 1, "fraction_evaluate": 0.0}
+    settings = settings_from_dict(one)
+    d = DeploymentSettings(supernodes=SuperNodeSettings(transport_log=True), run_timeout=300.0)
+    state = Launch(tmp_path)
+    results = launch(settings, d, tmp_path, state=state)
+    assert_all_stopped(state)
+    assert load_results(tmp_path / "results.json")["socket"] == results["socket"]
+    sock = results["socket"]
+    rows, connections = read_socket_log(tmp_path / "deploy" / "socket.jsonl")
+
+    # (1) closed accounting
+    assert check_totals(rows, connections) == sock["total_bytes"]
+    assert (sock["opaque_connections"], sock["unattributed_bytes"]) == (0, 0)
+    assert all(c["unanswered"] == 0 for c in connections)
+    parts = sock["setup_bytes"] + sock["teardown_bytes"]
+    assert parts + sum(r["socket_bytes"] for r in sock["rounds"]) == sock["total_bytes"]
+    assert sock["setup_calls"]["GetFab"] > 0
+
+    # (2) the socket's bodies are the SuperNode's serialized requests and responses
+    tapped = read_log(tmp_path / "deploy" / "transport-0.jsonl")
+    at_tap = sorted((r["rpc"], r["request"], r["response"]) for r in tapped)
+    at_socket = sorted((r["rpc"], r["up_body"], r["down_body"]) for r in rows)
+    assert at_socket == at_tap
+
+    # (3) fedcomp's traffic is what crossed, kind by kind
+    (record,) = results["rounds"]
+    (sock_round,) = sock["rounds"]
+    counted = {k: (v["messages"], v["wire_bytes"]) for k, v in record["traffic"].items()}
+    crossed = {k: (v["messages"], v["object_bytes"]) for k, v in sock_round["kinds"].items()}
+    assert crossed == counted
+    assert {"identity_query", "identity_reply", "train_instruction", "train_reply"} == set(crossed)
+    for kind in sock_round["kinds"].values():
+        assert kind["socket_bytes"] > kind["object_bytes"]
+    print(
+        f"\nsocket: {sock['total_bytes']} B in {sock['calls']} calls; set-up "
+        f"{sock['setup_bytes']} B; round 1 {sock_round['socket_bytes']} B for "
+        f"{record['total_wire_bytes']} B of objects"
+    )
+
+
 def _check_against_the_transport(results: dict, deploy_dir: Path) -> None:
     """What fedcomp counted equals what crossed the network, kind by kind: every
     message the SuperNodes pulled or pushed over the Fleet API (their own log of each

@@ -56,8 +56,9 @@ from experiments.deployment.settings import (
     node_specs,
     validate_deployment,
 )
+from experiments.deployment.socket_count import CountingProxy, socket_section
 from experiments.runtime import PROJECT_ROOT
-from fedcomp.results import ResultsError, load_results
+from fedcomp.results import ResultsError, load_results, write_results
 from fedcomp.settings import Settings, validate
 
 log = logging.getLogger("experiments.deployment")
@@ -203,6 +204,8 @@ def launch(
     cli = FlwrCli(st.connection, env, run_dir, deploy_dir / "flwr-cli.log")
 
     t0 = time.monotonic()
+    proxy: CountingProxy | None = None
+    results: dict[str, Any] = {}
     with signals_raise():
         try:
             argv = superlink_argv(deployment, port)
@@ -218,8 +221,15 @@ def launch(
             if deployment.auth.enabled:
                 for key in _public_keys(deployment):
                     cli.register_node(key)
+            node_address = address
+            if specs and deployment.supernodes.socket_count:
+                proxy = CountingProxy((connect_host(sl.host), port), deploy_dir / "socket.jsonl")
+                node_address = host_port("127.0.0.1", proxy.start())
+                log.info("SuperNodes connect through the byte-counting proxy %s", node_address)
             for spec in specs:
-                st.components.append(start_supernode(deployment, spec, address, deploy_dir, env))
+                st.components.append(
+                    start_supernode(deployment, spec, node_address, deploy_dir, env)
+                )
             if len(specs) < settings.num_clients:
                 log.info(
                     "waiting for %d SuperNode(s) started elsewhere (partitions %d..%d) "
@@ -237,10 +247,12 @@ def launch(
             )
             st.status = status
             st.timings["run_s"] = time.monotonic() - t_run
-            return collect_results(st.run_id, status, details, results_path, deploy_dir)
+            results = collect_results(st.run_id, status, details, results_path, deploy_dir)
         finally:
             with signals_ignored():
                 st.survivors = stop_components(st.components, deployment.stop_timeout)
+                if proxy is not None:  # after the nodes: their sign-off is counted too
+                    proxy.stop()
                 remove_connection(flwr_home, st.connection)
                 if st.fab:  # each run's FAB differs (its results_path): do not pile up
                     unpacked = flwr_home / "apps" / st.fab
@@ -251,6 +263,10 @@ def launch(
                 st.peak_rss_mb = own_peak_rss_mb()
             if st.survivors:
                 log.error("processes still alive after SIGKILL: %s", st.survivors)
+    if proxy is not None:
+        results["socket"] = socket_section(deploy_dir / "socket.jsonl", len(specs))
+        write_results(results_path, results)
+    return results
 
 
 def start_supernode(

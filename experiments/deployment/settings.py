@@ -65,6 +65,11 @@ class SuperNodeSettings:
     #: the messages and objects they carried) to deploy/transport-<i>.jsonl
     #: (experiments/deployment/tap.py): the bytes that crossed, message by message.
     transport_log: bool = False
+    #: The SuperNodes started here reach the SuperLink through a counting proxy
+    #: (experiments/deployment/socket_count.py): every byte of their connections, both
+    #: ways, per call (deploy/socket.jsonl) and per round in results.json's "socket".
+    #: SuperNodes that connect from elsewhere are not counted.
+    socket_count: bool = True
 
 
 @dataclass

@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 _FLEET = "/flwr.proto.Fleet/"
+#: Calls that move one object of a message (or confirm its receipt): the message's cost.
+_OBJECT_CALLS = ("PullObject", "PushObject", "ConfirmMessageReceived")
 
 
 def _tree_ids(tree: Any) -> list[str]:
@@ -62,6 +64,8 @@ def describe(rpc: str, request: Any, response: Any) -> dict[str, Any]:
         row["object"], row["content"] = request.object_id, len(response.object_content)
     elif rpc == "PushObject":
         row["object"], row["content"] = request.object_id, len(request.object_content)
+    elif rpc == "ConfirmMessageReceived":  # the receipt of a pulled message: its cost too
+        row["object"], row["content"] = request.message_object_id, 0
     return row
 
 
@@ -115,7 +119,7 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 }
                 for oid in m["objects"]:
                     owner[oid] = m["id"]
-        elif rpc in ("PullObject", "PushObject") and row["object"] in owner:
+        elif rpc in _OBJECT_CALLS and row["object"] in owner:
             entry = messages[owner[row["object"]]]
             entry["object_bytes"] += row["content"]
             entry["body_bytes"] += row["request"] + row["response"]
