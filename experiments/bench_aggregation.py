@@ -26,9 +26,11 @@ import numpy as np
 import torch
 
 from experiments.runtime import emit
+from fedcomp.flower.options import ServerOptions
 from fedcomp.trees import CANDIDATES, candidate_trees, reduce_tree, select_tree
 
 DTYPES = ("fp32", "bf16", "fp16")
+
 TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -99,7 +101,7 @@ def real_updates(clients: int) -> torch.Tensor:
             make_inner_strategy({"name": "fedavg"}, clients, fraction_evaluate=0.0),
             codec={"name": "fp32"},
             run_seed=0,
-            task=client_task(settings),
+            options=ServerOptions(task=client_task(settings)),
         )
         return strategy.start(grid, arrays, num_rounds=1).arrays
 

@@ -35,9 +35,11 @@ from experiments.runtime import emit
 from fedcomp.aggregation import Aggregation
 from fedcomp.flower import CompressedStrategy, CompressionMod
 from fedcomp.flower.identity import identity_reply, is_identity_message
+from fedcomp.flower.options import IdentityOptions, ServerOptions
 from fedcomp.trees.aggregate import TreeConfig
 
 SIGN = {"name": "sign", "block": 1024}
+
 #: (label, codec, aggregation settings, most clients): the streaming plain mean, trees
 #: evaluated as the replies are loaded, and the one-bit joint decoder (per chunk of
 #: coordinates; 100 clients only: encoding each synthetic reply takes about 1.3 s).
@@ -119,8 +121,10 @@ def run(codec: dict, n: int, numel: int, trees: dict | None = None) -> dict:
     strategy = CompressedStrategy(
         FedAvg(fraction_evaluate=0.0, min_available_nodes=n),
         codec=codec,
-        aggregation=Aggregation(handoff="pre_aggregated", trees=TreeConfig(**(trees or {}))),
-        identity_timeout=30,
+        options=ServerOptions(
+            aggregation=Aggregation(handoff="pre_aggregated", trees=TreeConfig(**(trees or {}))),
+            identity=IdentityOptions(timeout=30),
+        ),
     )
     measured: dict = {}
     aggregate = strategy.aggregate_train

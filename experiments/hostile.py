@@ -28,6 +28,7 @@ from experiments.inprocess import InProcessGrid, initial_arrays, set_task_identi
 from experiments.memory import address_space_cap, peak_rss, reset_peak_rss
 from fedcomp.aggregation import Aggregation
 from fedcomp.failures import Failure
+from fedcomp.flower.options import IdentityOptions, ServerOptions
 from fedcomp.flower.strategy import CompressedStrategy
 from fedcomp.keys import (
     KEY_CV_VERSION,
@@ -261,10 +262,12 @@ def run_round(
         ),
         codec=codec,
         run_seed=settings.seed,
-        aggregation=Aggregation(handoff=handoff),
-        influence=influence,
-        task=client_task(settings),
-        identity_timeout=5,
+        options=ServerOptions(
+            aggregation=Aggregation(handoff=handoff),
+            influence=influence,
+            task=client_task(settings),
+            identity=IdentityOptions(timeout=5),
+        ),
     )
     peaks = []
     aggregate = strategy.aggregate_train

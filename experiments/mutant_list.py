@@ -413,7 +413,7 @@ MUTANTS = (
     Mutant(
         "learning-check-lenient-loss",
         "a run whose loss ends equal to the initial counts as learning",
-        "fedcomp/flower/guards.py",
+        "fedcomp/flower/outcome.py",
         "and loss1 >= loss0:",
         "and loss1 > loss0:",
         ("tests/test_bounded_influence.py",),

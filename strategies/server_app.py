@@ -24,6 +24,7 @@ from fedcomp.codecs import TensorPolicy
 from fedcomp.data import server_test_set
 from fedcomp.diagnostics import aggregate_error
 from fedcomp.failures import RunFailed
+from fedcomp.flower.options import IdentityOptions, ServerOptions
 from fedcomp.flower.records import fmt
 from fedcomp.flower.strategy import CompressedStrategy
 from fedcomp.models import build_model
@@ -151,22 +152,26 @@ def build_strategy(
         ),
         codec=settings.codec,
         run_seed=settings.seed,
-        aggregation=aggregation_of(settings),
-        influence=influence_of(settings),
         downlink=settings.downlink,
-        task=client_task(settings),
-        policy=TensorPolicy(min_numel=settings.policy.min_numel),
         reporting=Reporting(
             on_round=on_round,
             update_probe=_update_probe(settings.diagnostics_dir),
             learning_check=settings.learning_check,
             learning_margin=settings.learning_margin,
         ),
-        identity_timeout=settings.simulation.round_timeout,
-        identity_reply_timeout=min(
-            settings.identity_reply_timeout, settings.simulation.round_timeout
+        options=ServerOptions(
+            aggregation=aggregation_of(settings),
+            influence=influence_of(settings),
+            task=client_task(settings),
+            policy=TensorPolicy(min_numel=settings.policy.min_numel),
+            identity=IdentityOptions(
+                timeout=settings.simulation.round_timeout,
+                reply_timeout=min(
+                    settings.identity_reply_timeout, settings.simulation.round_timeout
+                ),
+                bind_keys=settings.bind_keys,
+            ),
         ),
-        bind_keys=settings.bind_keys,
     )
 
 
@@ -210,7 +215,7 @@ def run_server(
         progress.close()
     rounds = strategy.rounds
     results = build_results(settings_to_dict(settings), rounds, wall_s=time.perf_counter() - t0)
-    initial_eval = strategy.initial_evaluation or {}
+    initial_eval = strategy.book.initial_evaluation or {}
     results["summary"]["initial_accuracy"] = initial_eval.get("accuracy")
     s = results["summary"]
     log.info(

@@ -31,7 +31,7 @@ from experiments.hostile import (
     run_round,
 )
 from fedcomp.failures import Failure, RunFailed
-from fedcomp.flower.guards import best_loss, fail_if_not_learning, not_learning
+from fedcomp.flower.outcome import best_loss, fail_if_not_learning, not_learning
 from fedcomp.flower.validation import ReplyError, check_reply
 from fedcomp.influence import (
     DEFAULT_NORM_CAP,

@@ -57,13 +57,13 @@ def test_the_wrapper_refuses_a_per_client_round_that_cannot_fit(monkeypatch) -> 
         for v in build_model(settings.model, "digits", 0).state_dict().values()
     )
     need = 4 * model * 2
-    monkeypatch.setattr("fedcomp.flower.strategy.available_memory", lambda: need - 1)
+    monkeypatch.setattr("fedcomp.flower.budget.available_memory", lambda: need - 1)
     with pytest.raises(RoundMemoryError, match=r"aggregation\.handoff=per_client"):
         run_server(InProcessGrid(make_client_app(), 4), settings)
-    monkeypatch.setattr("fedcomp.flower.strategy.available_memory", lambda: need)
+    monkeypatch.setattr("fedcomp.flower.budget.available_memory", lambda: need)
     (record,) = run_server(InProcessGrid(make_client_app(), 4), settings)["rounds"]
     assert record["replied"] == 4
-    monkeypatch.setattr("fedcomp.flower.strategy.available_memory", lambda: 1)
+    monkeypatch.setattr("fedcomp.flower.budget.available_memory", lambda: 1)
     streaming = _settings("pre_aggregated", {"name": "uniform", "bits": 4})
     (record,) = run_server(InProcessGrid(make_client_app(), 4), streaming)["rounds"]
     assert record["replied"] == 4

@@ -12,6 +12,7 @@ from clients.client_app import make_client_app
 from clients.paths import ClientPaths, node_config_of, paths_of, resolve, task_paths
 from experiments.deployment.settings import DeploymentSettings, SuperNodeSettings, node_specs
 from experiments.inprocess import InProcessGrid
+from fedcomp.flower.options import IdentityOptions, ServerOptions
 from fedcomp.flower.strategy import CompressedStrategy
 from fedcomp.models import build_model
 from fedcomp.settings import settings_from_dict
@@ -42,8 +43,7 @@ def _run(settings, task, grid, rounds=2):
         make_inner_strategy({"name": "fedavg"}, N, fraction_evaluate=0.0),
         codec=settings.codec,
         run_seed=settings.seed,
-        task=task,
-        identity_timeout=5,
+        options=ServerOptions(task=task, identity=IdentityOptions(timeout=5)),
     )
     model = build_model(settings.model, settings.dataset.name, settings.seed)
     strategy.start(grid, ArrayRecord(model.state_dict()), num_rounds=rounds)

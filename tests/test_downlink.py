@@ -27,6 +27,7 @@ from fedcomp.downlink import (
 )
 from fedcomp.failures import RunFailed
 from fedcomp.flower.identity import is_identity_message
+from fedcomp.flower.options import IdentityOptions, ServerOptions
 from fedcomp.flower.replica import RECORD_REPLICA, RECORD_REPLICA_META
 from fedcomp.flower.strategy import CompressedStrategy
 from fedcomp.keys import (
@@ -278,8 +279,8 @@ def test_replicas_stay_bit_identical_through_faults_and_a_resume(tmp_path) -> No
     # A client whose replica was wiped (the node kept its id): its next model-free
     # instruction fails loudly, and it gets the model in full after that.
     def sampled(rnd: int) -> set[int]:
-        return set(first._sample(rnd, 0.25, "train-sample")) | set(
-            first._sample(rnd, 0.25, "evaluate-sample")
+        return set(first.outbox.sample(rnd, MessageType.TRAIN)) | set(
+            first.outbox.sample(rnd, MessageType.EVALUATE)
         )
 
     victim = min(  # one that holds version >= 1 and is sampled in rounds 4 and 5 or 6
@@ -446,8 +447,7 @@ def test_every_inner_strategy_and_memory_codec_composes_with_the_downlink(
         codec=settings.codec,
         downlink=settings.downlink,
         run_seed=settings.seed,
-        task=client_task(settings),
-        identity_timeout=5,
+        options=ServerOptions(task=client_task(settings), identity=IdentityOptions(timeout=5)),
     )
     initial = initial_arrays(settings)
     result = strategy.start(grid, initial, num_rounds=3)

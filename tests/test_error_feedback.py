@@ -12,6 +12,7 @@ from clients.client_app import make_client_app
 from experiments.inprocess import InProcessGrid, Spy
 from fedcomp.codecs import ErrorFeedback, decode_bytes, make_codec
 from fedcomp.flower.memory_state import MemoryState, load_memory
+from fedcomp.flower.options import ServerOptions
 from fedcomp.flower.strategy import CompressedStrategy
 from fedcomp.keys import KEY_STABLE_ID, RECORD_HEADER, RECORD_PAYLOAD
 from fedcomp.models import build_model
@@ -100,8 +101,8 @@ def test_a_lost_reply_desynchronizes_nothing() -> None:
         make_inner_strategy({"name": "fedavg"}, N, fraction_evaluate=0.0),
         codec=settings.codec,
         run_seed=0,
-        task=client_task(settings),
         reporting=Reporting(on_round=snapshot),
+        options=ServerOptions(task=client_task(settings)),
     )
     original = strategy.configure_train
 

@@ -12,6 +12,7 @@ from clients.client_app import make_client_app
 from clients.faults import KINDS, draw_fault
 from experiments.inprocess import InProcessGrid, Spy, initial_arrays
 from fedcomp.failures import RunFailed
+from fedcomp.flower.options import IdentityOptions, ServerOptions
 from fedcomp.flower.strategy import CompressedStrategy
 from fedcomp.influence import Influence
 from fedcomp.keys import KEY_NUM_EXAMPLES
@@ -39,9 +40,11 @@ def _setup(codec, faults=None, weight_cap=0.0, inner_mods=None, tamper=None, nor
         make_inner_strategy({"name": "fedavg"}, N, fraction_evaluate=0.0),
         codec=settings.codec,
         run_seed=settings.seed,
-        task=client_task(settings),
-        identity_timeout=5,
-        influence=Influence(weight_cap=weight_cap, norm_cap=norm_cap),
+        options=ServerOptions(
+            task=client_task(settings),
+            influence=Influence(weight_cap=weight_cap, norm_cap=norm_cap),
+            identity=IdentityOptions(timeout=5),
+        ),
     )
     return settings, grid, strategy
 

@@ -137,12 +137,12 @@ def test_residual_liars_never_move_a_mirror_nor_the_model():
     )
     record = strategy.rounds[1]
     assert record["rejected"] == {Failure.RESYNC: 2, Failure.OUTLIER: 1}
-    assert strategy.cv.resync_requested == {10, 12}
+    assert strategy.uplink.cv.resync_requested == {10, 12}
     assert same_arrays(result.arrays, lost.arrays)
     # Every mirror equals its client's state: the honest ones at round 2's (accepted,
     # pending on the client until the next ack), the liars' at round 1's.
     assert checked == [N]
-    assert all(strategy.cv.store.get(sid).version == 1 for sid in HOSTILE)
+    assert all(strategy.uplink.cv.store.get(sid).version == 1 for sid in HOSTILE)
 
 
 @pytest.mark.parametrize(

@@ -22,9 +22,11 @@ from fedcomp.flower.identity import (
     identity_reply,
     stable_id_of,
 )
-from fedcomp.keys import KEY_HANDLES, KEY_STABLE_ID, RECORD_IDENTITY
 
 #: One node's answer to the identity message: a reply, None for no reply, or several.
+from fedcomp.flower.options import IdentityOptions, ServerOptions
+from fedcomp.keys import KEY_HANDLES, KEY_STABLE_ID, RECORD_IDENTITY
+
 Answer = Callable[[Message], Message | list[Message] | None]
 
 REPLY_TIMEOUT = 7.0  # distinct from WAIT, so the tests see which one a wait used
@@ -225,7 +227,9 @@ def test_the_default_reply_timeout_is_short_and_the_strategy_passes_its_own() ->
 
     assert StableIds().reply_timeout <= 30
     strategy = CompressedStrategy(
-        FedAvg(), codec={"name": "fp32"}, identity_reply_timeout=3.5, bind_keys=True
+        FedAvg(),
+        codec={"name": "fp32"},
+        options=ServerOptions(identity=IdentityOptions(reply_timeout=3.5, bind_keys=True)),
     )
     assert strategy.clients.ids.reply_timeout == 3.5
     assert strategy.clients.ids.bind_keys

@@ -17,6 +17,8 @@ sys.path.insert(0, str(PROJECT_ROOT / "examples" / "numpy_logreg"))
 from numpy_logreg.client_app import app as client_app
 from numpy_logreg.server_app import initial_arrays
 
+from fedcomp.flower.options import IdentityOptions, ServerOptions
+
 N = 4
 
 
@@ -32,7 +34,10 @@ N = 4
 )
 def test_a_float64_numpy_app_keeps_its_dtypes_and_learns(codec: dict, downlink: dict) -> None:
     strategy = CompressedStrategy(
-        FedAvg(min_available_nodes=N), codec=codec, downlink=downlink, identity_timeout=5
+        FedAvg(min_available_nodes=N),
+        codec=codec,
+        downlink=downlink,
+        options=ServerOptions(identity=IdentityOptions(timeout=5)),
     )
     result = strategy.start(InProcessGrid(client_app, N), initial_arrays(), num_rounds=3)
     out = {k: np.asarray(v.numpy()) for k, v in result.arrays.items()}
@@ -54,7 +59,7 @@ def test_the_round_line_shows_the_client_metrics_the_reporting_settings_name() -
         FedAvg(min_available_nodes=N),
         codec={"name": "fp32"},
         reporting=Reporting(accuracy_keys=("no_such_metric",), loss_keys=("x", "accuracy")),
-        identity_timeout=5,
+        options=ServerOptions(identity=IdentityOptions(timeout=5)),
     )
     strategy.start(InProcessGrid(client_app, N), initial_arrays(), num_rounds=1)
     (record,) = strategy.rounds

@@ -15,6 +15,7 @@ from experiments.inprocess import InProcessGrid, Spy, initial_arrays
 from fedcomp.aggregation import Aggregation
 from fedcomp.codecs import TensorPolicy
 from fedcomp.flower.joint import joint_names
+from fedcomp.flower.options import IdentityOptions, ServerOptions
 from fedcomp.flower.strategy import CompressedStrategy
 from fedcomp.keys import (
     KEY_JOINT_CLIENTS,
@@ -57,9 +58,11 @@ def _run(num_rounds=1, tamper=None, spec=SPEC):
         make_inner_strategy({"name": "fedavg"}, N, fraction_evaluate=0.0),
         codec=settings.codec,
         run_seed=settings.seed,
-        aggregation=Aggregation(handoff="pre_aggregated"),
-        task=client_task(settings),
-        identity_timeout=5,
+        options=ServerOptions(
+            aggregation=Aggregation(handoff="pre_aggregated"),
+            task=client_task(settings),
+            identity=IdentityOptions(timeout=5),
+        ),
     )
     initial = initial_arrays(settings)
     result = strategy.start(grid, initial, num_rounds=num_rounds)
@@ -202,7 +205,7 @@ def test_the_joint_state_moves_on_and_checkpoints():
     state survives a checkpoint round trip. (Whether the code learns depends on the
     clients per round: refused below rules.JOINT_MIN_CLIENTS, see the next tests.)"""
     _, strategy, _, _, _, _ = _run(num_rounds=2)
-    state = strategy.joint_state
+    state = strategy.uplink.joint_state
     assert state.taus and state.centers
     # tau came from the clients' scale codes, not the prior
     assert any(not np.allclose(t, SPEC["tau_prior"]) for t in state.taus.values())
@@ -218,7 +221,7 @@ def test_joint_code_needs_pre_aggregated_handoff():
             make_inner_strategy({"name": "fedavg"}, 2),
             codec=SPEC,
             run_seed=1,
-            aggregation=Aggregation(handoff="per_client"),
+            options=ServerOptions(aggregation=Aggregation(handoff="per_client")),
         )
 
 

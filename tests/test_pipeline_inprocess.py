@@ -28,6 +28,7 @@ from fedcomp.aggregation import Aggregation
 from fedcomp.codecs import decode_bytes, make_codec
 from fedcomp.codecs.wire import HEADER_FIXED_BYTES
 from fedcomp.flower.mod import CompressionMod
+from fedcomp.flower.options import IdentityOptions, ServerOptions
 from fedcomp.flower.strategy import CompressedStrategy
 from fedcomp.keys import (
     KEY_NUM_EXAMPLES,
@@ -80,9 +81,11 @@ def one_round(
         ),
         codec=settings.codec,
         run_seed=settings.seed,
-        aggregation=Aggregation(handoff=handoff, trees=trees or TreeConfig()),
-        task=client_task(settings),
-        identity_timeout=5,
+        options=ServerOptions(
+            aggregation=Aggregation(handoff=handoff, trees=trees or TreeConfig()),
+            task=client_task(settings),
+            identity=IdentityOptions(timeout=5),
+        ),
     )
     result = strategy.start(grid, _initial(settings), num_rounds=1)
     arrays = {k: np.array(v.numpy()) for k, v in result.arrays.items()}
@@ -307,7 +310,7 @@ def test_pre_aggregated_rejects_strategies_that_are_not_means() -> None:
             FedMedian(),
             codec={"name": "fp32"},
             run_seed=0,
-            aggregation=Aggregation(handoff="pre_aggregated"),
+            options=ServerOptions(aggregation=Aggregation(handoff="pre_aggregated")),
         )
     with pytest.raises(ValueError, match="unknown codec"):
         CompressedStrategy(FedAvg(), codec={"name": "nope"}, run_seed=0)
@@ -454,8 +457,7 @@ def test_flower_client_side_dp_stacks_in_per_client_mode() -> None:
         inner,
         codec={"name": "fp32"},
         run_seed=0,
-        task=client_task(settings),
-        identity_timeout=5,
+        options=ServerOptions(task=client_task(settings), identity=IdentityOptions(timeout=5)),
     )
     strategy.start(grid, _initial(settings), num_rounds=1)
     assert strategy.rounds[0]["replied"] == N
@@ -508,14 +510,14 @@ def test_round_lines_reach_the_console_of_an_app_that_configured_no_logging() ->
     code = (
         "from experiments.inprocess import InProcessGrid, initial_arrays, set_task_identity\n"
         "from clients.client_app import make_client_app\n"
-        "from fedcomp.flower import CompressedStrategy\n"
+        "from fedcomp.flower import CompressedStrategy, ServerOptions\n"
         "from fedcomp.settings import settings_from_dict\n"
         "from strategies.inner import make_inner_strategy\n"
         "from strategies.server_app import client_task\n"
         "set_task_identity()\n"
         "s = settings_from_dict({'num_clients': 2, 'num_rounds': 1})\n"
         "w = CompressedStrategy(make_inner_strategy({'name': 'fedavg'}, 2),\n"
-        "    codec={'name': 'uniform', 'bits': 4}, task=client_task(s))\n"
+        "    codec={'name': 'uniform', 'bits': 4}, options=ServerOptions(task=client_task(s)))\n"
         "w.start(InProcessGrid(make_client_app(), 2), initial_arrays(s), num_rounds=1)\n"
         "assert len(w.rounds) == 1\n"
     )
@@ -543,7 +545,9 @@ def test_a_client_app_without_the_mod_is_named_on_the_first_round() -> None:
         return Message(RecordDict({"arrays": arrays}), reply_to=msg)
 
     strategy = CompressedStrategy(
-        make_inner_strategy({"name": "fedavg"}, 2), codec={"name": "fp32"}, identity_timeout=5
+        make_inner_strategy({"name": "fedavg"}, 2),
+        codec={"name": "fp32"},
+        options=ServerOptions(identity=IdentityOptions(timeout=5)),
     )
     with pytest.raises(RunFailed, match=r"CompressionMod\(\)\]\).*First error: .*arrays"):
         strategy.start(InProcessGrid(plain, 2), _initial(SETTINGS), num_rounds=1)
@@ -560,8 +564,7 @@ def test_two_nodes_claiming_one_stable_id_are_refused_loudly(caplog) -> None:
     strategy = CompressedStrategy(
         make_inner_strategy({"name": "fedavg"}, N, fraction_evaluate=0.0),
         codec={"name": "fp32"},
-        task=client_task(SETTINGS),
-        identity_timeout=5,
+        options=ServerOptions(task=client_task(SETTINGS), identity=IdentityOptions(timeout=5)),
     )
     caplog.set_level(logging.ERROR, logger="fedcomp.flower.identity")
     strategy.start(grid, _initial(SETTINGS), num_rounds=1)

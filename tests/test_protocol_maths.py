@@ -28,6 +28,7 @@ from fedcomp.codecs.residual import SYNC_NORMAL, SYNC_RESTART
 from fedcomp.downlink import BroadcastServer, parse_downlink
 from fedcomp.flower.joint import joint_names
 from fedcomp.flower.memory_state import load_memory
+from fedcomp.flower.options import IdentityOptions, ServerOptions
 from fedcomp.flower.strategy import CompressedStrategy
 from fedcomp.keys import (
     KEY_CV_VERSION,
@@ -90,9 +91,9 @@ class Rounds:
         inner = strategy.strategy.aggregate_train
 
         def mirrors() -> dict[int, tuple[int, dict[str, np.ndarray]]]:
-            if strategy.cv is None:
+            if strategy.uplink.cv is None:
                 return {}
-            store = strategy.cv.store
+            store = strategy.uplink.cv.store
             return {
                 sid: (m.version, {k: v.copy() for k, v in m.arrays.items()})
                 for sid in store.ids()
@@ -141,9 +142,11 @@ def _run(settings: Settings, rounds: int, handoff: str, spy: Spy | None = None):
         make_inner_strategy({"name": "fedavg"}, settings.num_clients, fraction_evaluate=0.0),
         codec=settings.codec,
         run_seed=settings.seed,
-        aggregation=Aggregation(handoff=handoff),
-        task=client_task(settings),
-        identity_timeout=5,
+        options=ServerOptions(
+            aggregation=Aggregation(handoff=handoff),
+            task=client_task(settings),
+            identity=IdentityOptions(timeout=5),
+        ),
     )
     seen = Rounds(strategy, grid, spy)
     strategy.start(grid, initial_arrays(settings), num_rounds=rounds)
@@ -328,9 +331,9 @@ def test_onebit_later_rounds_decode_around_the_previous_aggregate_and_tau_follow
     # The last round's median moved the server's state (checked against the next
     # round's instructions above for the earlier rounds).
     for name in names:
-        planned = strategy.joint_state.taus[name].astype(np.float32)  # as it will travel
+        planned = strategy.uplink.joint_state.taus[name].astype(np.float32)  # as it will travel
         assert np.array_equal(planned.astype(np.float64), tau[name])
-        assert np.array_equal(strategy.joint_state.centers[name], center[name])
+        assert np.array_equal(strategy.uplink.joint_state.centers[name], center[name])
     assert inside_clip > 0  # some tau set by the median itself, not by the 4x clip
 
 

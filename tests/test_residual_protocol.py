@@ -16,6 +16,7 @@ from experiments.inprocess import InProcessGrid
 from fedcomp.controlvariates import Mirror
 from fedcomp.flower.identity import is_identity_message
 from fedcomp.flower.memory_state import load_memory
+from fedcomp.flower.options import IdentityOptions, ServerOptions
 from fedcomp.flower.strategy import CompressedStrategy
 from fedcomp.models import build_model
 from fedcomp.settings import Settings, settings_from_dict
@@ -39,8 +40,7 @@ def _strategy(settings: Settings) -> CompressedStrategy:
         ),
         codec=settings.codec,
         run_seed=settings.seed,
-        task=client_task(settings),
-        identity_timeout=5,
+        options=ServerOptions(task=client_task(settings), identity=IdentityOptions(timeout=5)),
     )
 
 
@@ -91,7 +91,7 @@ def _assert_mirrors_match(strategy: CompressedStrategy, grid: InProcessGrid) -> 
     for node_id, context in grid.contexts.items():
         sid = grid.partition_of(node_id)
         memory = load_memory(context.state)
-        mirror = strategy.cv.store.get(sid)
+        mirror = strategy.uplink.cv.store.get(sid)
         if mirror is None:
             assert memory.version == 0 and memory.pending_version == 0
             continue
@@ -158,8 +158,8 @@ def test_a_mismatched_mirror_asks_for_a_resync_and_never_decodes_against_it() ->
     grid = InProcessGrid(make_client_app(), N)
     strategy = _strategy(settings)
     arrays = run_rounds(strategy, grid, _initial(settings), range(1, 3))
-    mirror = strategy.cv.store.get(2)
-    strategy.cv.store.put(2, Mirror(mirror.version + 5, mirror.arrays))  # stale or future
+    mirror = strategy.uplink.cv.store.get(2)
+    strategy.uplink.cv.store.put(2, Mirror(mirror.version + 5, mirror.arrays))  # stale or future
     arrays = run_rounds(strategy, grid, arrays, range(3, 5))
     third, fourth = strategy.rounds[2], strategy.rounds[3]
     assert (third["replied"], third["failures"], third["codec"]["resync_requests"]) == (N - 1, 1, 1)
@@ -211,8 +211,7 @@ def test_server_optimizers_keep_the_models_dtypes_and_every_reply(inner: str) ->
         make_inner_strategy({"name": inner}, N, fraction_train=0.5, fraction_evaluate=0.0),
         codec=settings.codec,
         run_seed=settings.seed,
-        task=client_task(settings),
-        identity_timeout=5,
+        options=ServerOptions(task=client_task(settings), identity=IdentityOptions(timeout=5)),
     )
     initial = _initial(settings)
     out = run_rounds(strategy, grid, initial, range(1, 4))

@@ -9,14 +9,23 @@ The two lines a Flower app needs::
 
 This subpackage is the only part of fedcomp that imports flwr; the algorithm core
 (codecs, one-bit code, control variates, trees) below it does not. The wrapper's
-optional settings objects (``Aggregation``, ``Influence``, ``Reporting``) are Flower-free
-and re-exported here for convenience.
+options (``ServerOptions`` holding ``Aggregation``, ``Influence`` and ``IdentityOptions``;
+``Reporting``) are plain dataclasses, re-exported here for convenience.
 """
 
 from fedcomp.aggregation import Aggregation
 from fedcomp.flower.mod import CompressionMod
+from fedcomp.flower.options import IdentityOptions, ServerOptions
 from fedcomp.flower.strategy import CompressedStrategy
 from fedcomp.influence import Influence
 from fedcomp.reporting import Reporting
 
-__all__ = ["Aggregation", "CompressedStrategy", "CompressionMod", "Influence", "Reporting"]
+__all__ = [
+    "Aggregation",
+    "CompressedStrategy",
+    "CompressionMod",
+    "IdentityOptions",
+    "Influence",
+    "Reporting",
+    "ServerOptions",
+]

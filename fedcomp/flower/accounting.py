@@ -11,6 +11,8 @@ Every message of a round, in both directions, is counted by kind into the round'
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
 from flwr.app import Message, RecordDict
 from flwr.supercore.inflatable.inflatable_object import (
     get_all_nested_objects,
@@ -58,3 +60,32 @@ def count(
         client=client,
     )
     return wire
+
+
+def count_instructions(
+    traffic: Traffic | None,
+    kind: Kind,
+    sent: Mapping[int, Message],
+    carry: Callable[[int, Message], int | None],
+) -> dict[int, int]:
+    """Count each instruction as it leaves; return its wire bytes per client.
+
+    ``carry(client, msg)`` first puts in it what the downlink sends (it may replace
+    the model by replica steps) and returns the fp32 instruction's wire bytes, the
+    message's reference (None: it is its own). ``traffic`` None: nothing is counted
+    (an instruction outside the round under way).
+    """
+    wire = {}
+    for sid, msg in sent.items():
+        fp32 = carry(sid, msg)
+        if traffic is not None:
+            wire[sid] = count(traffic, kind, msg, client=sid, fp32_wire_bytes=fp32)
+    return wire
+
+
+def count_replies(
+    traffic: Traffic, kind: Kind, replies: list[Message], stable_of: Callable[[int], int | None]
+) -> None:
+    """Count each reply under ``kind``, by its sender's stable id (None: unknown)."""
+    for msg in replies:
+        count(traffic, kind, msg, client=stable_of(msg.metadata.src_node_id))

@@ -12,7 +12,10 @@ parameters that is about 4 n M bytes per copy: 1,000 clients of ResNet-18 need 4
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
+
+import numpy as np
 
 log = logging.getLogger("fedcomp.flower.strategy")
 
@@ -95,3 +98,25 @@ def _refuse_or_warn(need: int, available: int, message: str) -> None:
         raise RoundMemoryError(message)
     if need > WARN_FRACTION * available:
         log.warning("%s", message)
+
+
+def check_round_copies(
+    clients: int,
+    global_arrays: Mapping[str, np.ndarray],
+    *,
+    per_client: bool,
+    mirrors_in_memory: bool,
+) -> None:
+    """Refuse, before any instruction leaves, a round whose dense copies cannot fit:
+    the per-client hand-off holds two per client; residual compression's mirrors, one
+    per client, live in memory unless mirror_dir keeps them on disk (state, not round
+    memory, but they grow with the clients reached: counted here for this round's);
+    the streaming paths hold none."""
+    if per_client:
+        copies, mode = 2, "aggregation.handoff=per_client"
+    elif mirrors_in_memory:
+        copies, mode = 1, "residual compression (mirrors in memory)"
+    else:
+        return
+    model = sum(np.asarray(v).size * 4 for v in global_arrays.values())
+    check_round_memory(clients, model, copies, mode, available_memory())

@@ -1,15 +1,16 @@
-"""The reply decoder: from a round's reply messages to the decoded updates to aggregate.
+"""The reply decoder: from a round's reply messages to decoded updates.
 
 It validates and decodes every reply (fedcomp.flower.validation, the joint path, the
-residual mirrors), counts each failure under one kind (fedcomp.failures.Failure), drops
-outliers, and, for the replies that remain, moves their mirrors and acknowledges them.
-Nothing a reply holds can stop the round; docs/reliability.md has the order of checks.
+residual mirrors); any failure is set aside as that client's (fedcomp.flower.rejection).
+For the streaming hand-off it releases each dense update once its norm is known and
+decodes it again when the reducer needs it, and moves the released residual replies'
+mirrors after the mean. Nothing a reply holds can stop the round; docs/reliability.md
+has the order of checks, fedcomp.flower.uplink the order of the steps.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 from collections import Counter
 from collections.abc import Callable
 
@@ -18,32 +19,25 @@ from flwr.app import ArrayRecord, ConfigRecord, Message
 
 from fedcomp.aggregate import RunningMean
 from fedcomp.codecs import Codec, Memory, TensorPolicy, make_codec_from_spec
-from fedcomp.codecs.residual import SYNC_FULL, SYNC_RESTART
+from fedcomp.codecs.residual import SYNC_FULL
 from fedcomp.controlvariates import ControlVariateServer, PendingMirror
-from fedcomp.failures import Failure, failure_of, short_reason
-from fedcomp.flower.accounting import count, record_bytes
-from fedcomp.flower.guards import norm_of
-from fedcomp.flower.handoff import client_metrics
+from fedcomp.failures import Failure
 from fedcomp.flower.joint import split_reply
-from fedcomp.flower.records import account_reply, empty_client_row
+from fedcomp.flower.rejection import reject
 from fedcomp.flower.round_state import Decoded, Presum, RoundState
 from fedcomp.flower.validation import (
     ReplyError,
     check_reply,
     compressed_names,
     decode_payloads,
-    majority_keys,
 )
-from fedcomp.influence import MAX_NUM_EXAMPLES, outliers, update_norm
+from fedcomp.influence import MAX_NUM_EXAMPLES, update_norm
 from fedcomp.keys import (
-    FAULT_REASON_PREFIX,
     KEY_CV_CHECKSUM,
     KEY_CV_VERSION,
     KEY_RESYNC,
-    RECORD_PAYLOAD,
 )
 from fedcomp.onebit import OneBitCode
-from fedcomp.traffic import Kind
 
 log = logging.getLogger("fedcomp.flower.strategy")  # one logger for the wrapper's lines
 
@@ -65,8 +59,6 @@ class ReplyDecoder:
         Residual memory: the mirrors.
     stable_of : callable
         Node id -> stable id (None for an unknown node).
-    reject_factor : float
-        Outlier rule (0: off): see fedcomp.influence.outliers.
     max_weight : float
         The largest num-examples a reply may claim (fedcomp.influence.Influence).
     """
@@ -79,7 +71,6 @@ class ReplyDecoder:
         run_seed: int,
         cv: ControlVariateServer | None,
         stable_of: Callable[[int], int | None],
-        reject_factor: float,
         max_weight: float = MAX_NUM_EXAMPLES,
         stream: bool = False,
         presum: bool = False,
@@ -100,7 +91,6 @@ class ReplyDecoder:
         self.run_seed = run_seed
         self.cv = cv
         self.stable_of = stable_of
-        self.reject_factor = reject_factor
         self.max_weight = max_weight
 
     def _wire_codec(self, server_round: int) -> Codec | None:
@@ -183,16 +173,9 @@ class ReplyDecoder:
             replies = sorted(replies, key=self._id_order)
             state.presum = Presum(RunningMean(self._claimed_total(replies, state, repeats)))
         for msg in replies:
-            sid = self.stable_of(msg.metadata.src_node_id)
-            row = state.per_client.setdefault(sid, empty_client_row(sid)) if sid is not None else {}
-            wire = count(state.traffic, Kind.TRAIN_REPLY, msg, client=sid)
-            row["uplink_wire_bytes"] = row.get("uplink_wire_bytes", 0) + wire
-            if msg.has_error():
-                _count_error_reply(state, sid, msg)
+            if msg.has_error():  # counted as a fault by the uplink (fedcomp.flower.uplink)
                 continue
-            row["uplink_record_bytes"] = row.get("uplink_record_bytes", 0) + record_bytes(
-                msg.content
-            )
+            sid = self.stable_of(msg.metadata.src_node_id)
             try:
                 if sid is not None and repeats[sid] > 1:
                     raise ReplyError(
@@ -261,100 +244,6 @@ class ReplyDecoder:
                 assert pending is not None
                 self.cv.commit(pending)
                 item.deferred = False
-
-    def drop_metric_misfits(self, decoded: list[Decoded], state: RoundState) -> list[Decoded]:
-        """Set aside replies whose train metric names (fedcomp's own excepted) differ
-        from those most replies carry: the inner strategy's metric aggregation needs one
-        key set, and a reply with one more key made Flower end the ServerApp. The
-        majority is taken over names, so the result does not depend on reply order; with
-        no majority (a tie) every reply is set aside."""
-        if not decoded:
-            return decoded
-        names = [frozenset(client_metrics(d).keys()) for d in decoded]
-        keys = majority_keys(names, strict=True)
-        kept = []
-        for item, other in zip(decoded, names, strict=True):
-            if other == keys:
-                kept.append(item)
-                continue
-            exc = ReplyError(
-                f"train metric names {sorted(other)}, "
-                + (
-                    "no key set is carried by most replies"
-                    if keys is None
-                    else f"most replies carry {sorted(keys)}"
-                ),
-                Failure.BAD_METRICS,
-            )
-            reject(state, item.stable_id, exc)
-        return kept
-
-    def drop_outliers(self, decoded: list[Decoded], state: RoundState) -> list[Decoded]:
-        """Drop replies whose update norm is beyond ``reject_factor`` x the median."""
-        norms = [norm_of(d) for d in decoded]
-        beyond = outliers(norms, self.reject_factor)
-        kept = []
-        for item, norm, out in zip(decoded, norms, beyond, strict=True):
-            if out:
-                exc = ReplyError(
-                    f"update norm {norm:.3g} is beyond {self.reject_factor:g} x the round's median",
-                    Failure.OUTLIER,
-                )
-                reject(state, item.stable_id, exc)
-            else:
-                kept.append(item)
-        return kept
-
-    def accept(
-        self, decoded: list[Decoded], state: RoundState, accepted_round: dict[int, int]
-    ) -> None:
-        """Account the accepted replies, move their mirrors, and acknowledge them."""
-        for item in decoded:
-            row = state.per_client[item.stable_id]
-            account_reply(row, item.message.content[RECORD_PAYLOAD], item.metrics, item.weight)
-            if "fp32_wire_bytes" in row:  # the reply's fp32 size, measured by the client
-                state.traffic.correct_fp32(
-                    Kind.TRAIN_REPLY, row["uplink_wire_bytes"], row["fp32_wire_bytes"]
-                )
-            if item.pending is not None and self.cv is not None:
-                self.cv.commit(item.pending)
-            state.record.resyncs += item.sync == SYNC_FULL
-            state.record.restarts += item.sync == SYNC_RESTART
-            accepted_round[item.stable_id] = state.number
-
-
-def reject(state: RoundState, sid: int | None, exc: Exception) -> None:
-    """Count and log one rejected reply under its failure kind."""
-    kind = failure_of(exc)
-    state.record.count_rejection(str(kind), fault=kind is not Failure.RESYNC)
-    if kind is Failure.NONFINITE:
-        state.record.nonfinite += 1
-    if kind is Failure.RESYNC:
-        state.record.resync_requests += 1
-        log.warning("round %d: client %s: %s", state.number, sid, exc)
-        return
-    if kind is Failure.UNEXPECTED:  # a decoder bug, not the client's fault alone
-        log.error(
-            "round %d: reply of client %s could not be decoded (%s: %s)",
-            state.number,
-            sid,
-            type(exc).__name__,
-            exc,
-            exc_info=exc,
-        )
-    else:
-        log.warning("round %d: rejected reply of client %s [%s]: %s", state.number, sid, kind, exc)
-
-
-def _count_error_reply(state: RoundState, sid: int | None, msg: Message) -> None:
-    injected = re.search(FAULT_REASON_PREFIX + r"(\w+)", str(msg.error.reason))
-    state.record.count_fault(injected.group(1) if injected else "error_reply")
-    log.warning(
-        "round %d: client %s replied with an error: %s",
-        state.number,
-        sid,
-        short_reason(msg.error.reason),
-    )
 
 
 def _int_field(header: ConfigRecord, key: str, default: int) -> int:

@@ -11,8 +11,22 @@ from flwr.app import Message, MetricRecord
 
 from fedcomp.failures import Failure
 from fedcomp.flower.validation import ReplyError, check_evaluate_reply, majority_keys
+from fedcomp.results import RoundCounts
 
 log = logging.getLogger("fedcomp.flower.strategy")  # one logger for the wrapper's lines
+
+
+def record_client_metrics(
+    record: RoundCounts,
+    metrics: MetricRecord,
+    accuracy_keys: tuple[str, ...],
+    loss_keys: tuple[str, ...],
+) -> None:
+    """Keep every aggregated client metric; the round line shows the first accuracy
+    and loss names present."""
+    record.client_metrics = {k: v for k, v in metrics.items() if not isinstance(v, list)}
+    record.client_accuracy = first_present(metrics, accuracy_keys)
+    record.client_loss = first_present(metrics, loss_keys)
 
 
 def first_present(metrics: MetricRecord, keys: tuple[str, ...]) -> float | None:

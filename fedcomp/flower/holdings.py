@@ -48,6 +48,8 @@ class ClientHoldings:
         self.handles: dict[int, frozenset[str]] = {}
         #: Last round whose reply each client had accepted (the ack).
         self.accepted_round: dict[int, int] = {}
+        #: Identity failures already reported in a round record, by kind.
+        self._failures_seen: dict[object, int] = {}
 
     def handles_kind(self, stable_id: int, kind: str) -> bool:
         """Whether the client's mod declared it rebuilds ``kind`` instructions."""
@@ -65,6 +67,13 @@ class ClientHoldings:
         self.ids.moved.clear()
         self.handles.update(self.ids.handles)  # declared at first contact
         self.ids.handles.clear()
+
+    def new_identity_failures(self) -> dict[str, int]:
+        """Identity exchanges that failed since the last call, by kind."""
+        total = dict(self.ids.failures)
+        new = {str(k): v - self._failures_seen.get(k, 0) for k, v in total.items()}
+        self._failures_seen = total
+        return {k: v for k, v in new.items() if v}
 
     def forget(self, stable_id: int) -> None:
         """The client holds nothing the server sent it (a wiped or restarted node)."""

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from fedcomp.codecs import Codec, TensorPolicy
 from fedcomp.downlink import (
@@ -89,6 +89,22 @@ class ReplicaSender:
         reference = wire_bytes(msg)
         self.attach(msg.content, client, model_free=model_free)
         return reference
+
+    def evaluate_replica(
+        self,
+        server_round: int,
+        record: Any,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None],
+    ) -> None:
+        """Central accuracy of x_hat, the model the clients train and evaluate on, into
+        ``record.replica_accuracy`` when it differs from x_t (Flower's Result and the
+        round's ``accuracy`` hold x_t)."""
+        downlink = record.downlink
+        if not downlink or downlink["replica_drift"] == 0.0:
+            return
+        result = evaluate_fn(server_round, self.full_record())
+        if result is not None and "accuracy" in result:
+            record.replica_accuracy = float(result["accuracy"])
 
     def advance(self, x_t: Mapping[str, np.ndarray]) -> dict[str, Any]:
         """Move x_hat one step towards the inner strategy's new model; the round's

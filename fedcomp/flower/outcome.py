@@ -1,109 +1,17 @@
-"""What the wrapper checks around the inner strategy and at the end of a run: influence
-caps before aggregation, the model's dtypes and finiteness after it, and the run's
-outcome (nothing learned, diverged), made loud."""
+"""What a run's round records say about it at its end: nothing learned, diverged, or
+no better than it started, each a RunFailed naming the likely cause; and the loss
+ratios that flag a round on its way there."""
 
 from __future__ import annotations
 
 import json
-import logging
 import math
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-from flwr.app import Array, ArrayRecord
-
 from fedcomp.failures import RunFailed
-from fedcomp.flower.round_state import Decoded
-from fedcomp.influence import clip_scales, reference_norm, update_norm, weight_cap
-from fedcomp.keys import KEY_NUM_EXAMPLES
 from fedcomp.rules import COORDINATEWISE_ROBUST, is_sparse
-
-log = logging.getLogger("fedcomp.flower.strategy")  # one logger for the wrapper's lines
-
-
-def cap_weights(decoded: list[Decoded], factor: float) -> int:
-    """Cap num-examples at ``factor`` x the round's median; return how many."""
-    cap = weight_cap([d.weight for d in decoded], factor)
-    capped = 0
-    for item in decoded:
-        if cap is not None and item.weight > cap:
-            item.weight = cap
-            item.metrics[KEY_NUM_EXAMPLES] = cap  # what the inner strategy weighs by
-            capped += 1
-    return capped
-
-
-def norm_of(item: Decoded) -> float:
-    """A decoded update's L2 norm (measured at decoding when it was released)."""
-    return item.norm if item.norm is not None else update_norm(item.deltas)
-
-
-def clip_norms(
-    decoded: list[Decoded], factor: float, fallback: float | None = None
-) -> tuple[int, float | None, float | None]:
-    """Scale updates beyond ``factor`` x the round's reference norm down to it (with a
-    single reply, ``fallback``: the last round's); return how many, this round's
-    reference and the largest norm's ratio to it before clipping (how close the round
-    came to the cap; clipping, not rejection: a residual mirror has already moved with
-    the reply)."""
-    norms = [norm_of(d) for d in decoded]
-    clipped = 0
-    scales = clip_scales(norms, factor, fallback)
-    for item, norm, scale in zip(decoded, norms, scales, strict=True):
-        if scale != 1.0:
-            if item.reload is not None:  # released: scaled when the reducer loads it
-                item.scale = scale
-            else:
-                item.deltas = {
-                    k: (v * scale).astype(v.dtype) if v.dtype.kind == "f" else v
-                    for k, v in item.deltas.items()
-                }
-            clipped += 1
-            log.warning(
-                "client %s: update norm %.3g clipped to %.3g", item.stable_id, norm, norm * scale
-            )
-    reference = reference_norm(norms)
-    ratio = max(norms) / reference if reference else None
-    return clipped, reference, ratio
-
-
-def cast_like(arrays: ArrayRecord, reference: Mapping[str, np.ndarray]) -> ArrayRecord:
-    """The inner strategy's output in the global model's dtypes. Flower's FedOpt
-    strategies return float64 arrays: every later instruction would carry twice the
-    bytes, and every reply would fail the dtype check against the model."""
-    if all(np.asarray(v.numpy()).dtype == reference[k].dtype for k, v in arrays.items()):
-        return arrays
-    return ArrayRecord(
-        {
-            k: Array(np.asarray(v.numpy()).astype(reference[k].dtype, copy=False))
-            for k, v in arrays.items()
-        }
-    )
-
-
-def all_finite(arrays: ArrayRecord) -> bool:
-    """True when every floating-point array of the record is finite."""
-    for value in arrays.values():
-        array = np.asarray(value.numpy())
-        if array.dtype.kind == "f" and not np.isfinite(array).all():
-            return False
-    return True
-
-
-def print_through_flower() -> None:
-    """A plain Flower app configures only Flower's logger: when nothing would print
-    fedcomp's round lines, print them with Flower's own console handlers (an app
-    that configured logging itself keeps its configuration)."""
-    ours = logging.getLogger("fedcomp")
-    if ours.hasHandlers():
-        return
-    for handler in logging.getLogger("flwr").handlers:
-        ours.addHandler(handler)
-    if ours.level == logging.NOTSET:
-        ours.setLevel(logging.INFO)
-
 
 #: A central loss this many times the run's reference (the initial model's loss, else
 #: the first round's) has grown by orders of magnitude: the model is diverging.

@@ -1,0 +1,232 @@
+"""A round's uplink on the server: from the train replies to what the inner strategy gets.
+
+One object, :class:`Uplink`, built once by the wrapper, takes each round's replies
+through the steps of docs/reliability.md, in order: count every reply's bytes;
+validate and decode each (fedcomp.flower.decoding; a bad reply is its sender's logged
+failure); set aside replies whose metric names differ from the majority's
+(fedcomp.flower.rejection) and outliers (fedcomp.flower.bounds); acknowledge the rest
+(their residual mirrors move, their clients may commit); cap weights and clip norms;
+hand the result over (fedcomp.flower.handoff); move the mirrors of released replies.
+After the inner strategy it checks the aggregate (:meth:`Uplink.settle`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, Message, MetricRecord
+
+from fedcomp.codecs import ResidualMemory, TensorPolicy
+from fedcomp.codecs.residual import SYNC_FULL, SYNC_RESTART
+from fedcomp.controlvariates import ControlVariateServer, MirrorStore
+from fedcomp.flower.accounting import count, record_bytes
+from fedcomp.flower.bounds import InfluenceBounds, drop_outliers
+from fedcomp.flower.budget import check_round_copies
+from fedcomp.flower.decoding import ReplyDecoder
+from fedcomp.flower.handoff import make_handoff
+from fedcomp.flower.joint import plan_round
+from fedcomp.flower.options import ServerOptions
+from fedcomp.flower.records import account_reply, empty_client_row
+from fedcomp.flower.rejection import count_error_reply, drop_metric_misfits
+from fedcomp.flower.round_state import Decoded, RoundState
+from fedcomp.keys import RECORD_PAYLOAD
+from fedcomp.onebit import OneBitCode
+from fedcomp.onebit.federated import JointServerState
+from fedcomp.traffic import Kind
+from fedcomp.trees.aggregate import TreeConfig, TreeStats
+
+log = logging.getLogger("fedcomp.flower.strategy")  # one logger for the wrapper's lines
+
+
+class Uplink:
+    """The server half of the uplink: decoder, bounds, hand-off and the state they keep.
+
+    Parameters
+    ----------
+    codec : Codec, Memory or OneBitCode
+        What the clients were asked to use (built from the wrapper's codec spec).
+    options : ServerOptions
+        Hand-off, trees, mirror directory, influence bounds and the policy sent.
+    run_seed : int
+        The run's public seed.
+    stable_of : callable
+        Node id -> stable id (None for an unknown node).
+    policy : TensorPolicy or None
+        The policy sent to the clients (None: each mod applies its own).
+    """
+
+    def __init__(
+        self,
+        codec: Any,
+        options: ServerOptions,
+        run_seed: int,
+        stable_of: Callable[[int], int | None],
+        *,
+        policy: TensorPolicy | None,
+    ) -> None:
+        agg, influence = options.aggregation, options.influence
+        self.codec, self.aggregation = codec, agg
+        self.joint = isinstance(codec, OneBitCode)
+        #: Joint codes: the server's state across rounds (side center, tau).
+        self.joint_state = JointServerState(prior=codec.tau_prior) if self.joint else None
+        #: Residual memory: the server's mirrors of the clients' control variates.
+        self.cv = (
+            ControlVariateServer(codec, MirrorStore(agg.mirror_dir or None))
+            if isinstance(codec, ResidualMemory)
+            else None
+        )
+        self.tree_stats = TreeStats()
+        self.stable_of = stable_of
+        self.decoder = ReplyDecoder(
+            codec,
+            policy=policy,
+            run_seed=run_seed,
+            cv=self.cv,
+            stable_of=stable_of,
+            max_weight=influence.max_num_examples,
+            # the plain mean and the trees take updates one at a time: release them
+            # between passes (the one-bit path keeps its bits: decoding.py)
+            stream=agg.pre_aggregated,
+            presum=agg.pre_aggregated and agg.trees == TreeConfig(),
+        )
+        self.reject_factor = influence.reject_factor
+        self.bounds = InfluenceBounds(influence, clip=not self.joint)
+        self.handoff = make_handoff(
+            agg.handoff,
+            trees=agg.trees,
+            tree_stats=self.tree_stats,
+            code=codec,
+            joint_state=self.joint_state,
+            run_seed=run_seed,
+        )
+
+    def receive(
+        self, replies: list[Message], state: RoundState, accepted_round: dict[int, int]
+    ) -> list[Decoded]:
+        """The round's accepted replies, decoded, sorted by stable id and acknowledged
+        (``accepted_round`` gets each accepted client's round)."""
+        self._account(replies, state)
+        decoded = self.decoder.decode_all(replies, state)
+        decoded = drop_metric_misfits(decoded, state)
+        decoded = drop_outliers(decoded, state, self.reject_factor)
+        self._acknowledge(decoded, state, accepted_round)
+        return decoded
+
+    def hand_off(self, decoded: list[Decoded], state: RoundState) -> list[Message] | None:
+        """Bound the accepted replies' influence; what the inner strategy aggregates
+        (None: nothing to hand over). Released residual replies' mirrors move here,
+        after the mean, whatever happens: their replies were acknowledged."""
+        bounded = self.bounds.apply(decoded, state)
+        try:
+            return self.handoff.replies(decoded, state) if bounded else None
+        finally:
+            self.decoder.commit_deferred(decoded, state)
+
+    def _account(self, replies: list[Message], state: RoundState) -> None:
+        """Every reply's bytes as it arrived (wire and record), and each error reply."""
+        for msg in replies:
+            sid = self.stable_of(msg.metadata.src_node_id)
+            row = state.per_client.setdefault(sid, empty_client_row(sid)) if sid is not None else {}
+            wire = count(state.traffic, Kind.TRAIN_REPLY, msg, client=sid)
+            row["uplink_wire_bytes"] = row.get("uplink_wire_bytes", 0) + wire
+            if msg.has_error():
+                count_error_reply(state, sid, msg)
+                continue
+            row["uplink_record_bytes"] = row.get("uplink_record_bytes", 0) + record_bytes(
+                msg.content
+            )
+
+    def _acknowledge(
+        self, decoded: list[Decoded], state: RoundState, accepted_round: dict[int, int]
+    ) -> None:
+        """Account the accepted replies, move their mirrors, and acknowledge them."""
+        for item in decoded:
+            row = state.per_client[item.stable_id]
+            account_reply(row, item.message.content[RECORD_PAYLOAD], item.metrics, item.weight)
+            if "fp32_wire_bytes" in row:  # the reply's fp32 size, measured by the client
+                state.traffic.correct_fp32(
+                    Kind.TRAIN_REPLY, row["uplink_wire_bytes"], row["fp32_wire_bytes"]
+                )
+            if item.pending is not None and self.cv is not None:
+                self.cv.commit(item.pending)
+            state.record.resyncs += item.sync == SYNC_FULL
+            state.record.restarts += item.sync == SYNC_RESTART
+            accepted_round[item.stable_id] = state.number
+
+    def settle(
+        self, arrays: ArrayRecord | None, metrics: MetricRecord | None, state: RoundState
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """The inner strategy's aggregate in the model's dtypes; (None, None), the
+        model kept, when it is not finite."""
+        if arrays is None:
+            return None, metrics
+        arrays = cast_like(arrays, state.global_arrays)
+        if not all_finite(arrays):
+            log.error(
+                "round %d: the aggregate is not finite; the global model is kept", state.number
+            )
+            state.record.aggregate_nonfinite = 1
+            return None, None
+        return arrays, metrics
+
+    def prepare(self, state: RoundState, selected: list[int], policy: TensorPolicy) -> None:
+        """Before the round's instructions leave: the joint code's plan (who answers
+        which queries), and the refusal of a round whose dense copies cannot fit."""
+        if self.joint:
+            state.joint = plan_round(
+                self.codec, policy, self.joint_state, state.global_arrays, selected
+            )
+        check_round_copies(
+            len(selected),
+            state.global_arrays,
+            per_client=not self.aggregation.pre_aggregated,
+            mirrors_in_memory=self.cv is not None and not self.aggregation.mirror_dir,
+        )
+
+    def resync_requested(self, stable_id: int) -> bool:
+        """Whether the client's next train instruction asks for a full resync."""
+        return self.cv is not None and stable_id in self.cv.resync_requested
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the uplink carries across rounds (checkpoints: fedcomp.flower.checkpoint)."""
+        return {
+            "cv": self.cv.state_dict() if self.cv is not None else None,
+            "tree_stats": self.tree_stats.state_dict(),
+            "joint": self.joint_state.state_dict() if self.joint_state is not None else None,
+            "reference_norm": self.bounds.reference_norm,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.bounds.reference_norm = state.get("reference_norm")
+        if self.cv is not None and state.get("cv") is not None:
+            self.cv.load_state_dict(state["cv"])
+        if "tree_stats" in state:
+            self.tree_stats.load_state_dict(state["tree_stats"])
+        if self.joint_state is not None and state.get("joint") is not None:
+            self.joint_state.load_state_dict(state["joint"])
+
+
+def cast_like(arrays: ArrayRecord, reference: Mapping[str, np.ndarray]) -> ArrayRecord:
+    """The inner strategy's output in the global model's dtypes. Flower's FedOpt
+    strategies return float64 arrays: every later instruction would carry twice the
+    bytes, and every reply would fail the dtype check against the model."""
+    if all(np.asarray(v.numpy()).dtype == reference[k].dtype for k, v in arrays.items()):
+        return arrays
+    return ArrayRecord(
+        {
+            k: Array(np.asarray(v.numpy()).astype(reference[k].dtype, copy=False))
+            for k, v in arrays.items()
+        }
+    )
+
+
+def all_finite(arrays: ArrayRecord) -> bool:
+    """True when every floating-point array of the record is finite."""
+    for value in arrays.values():
+        array = np.asarray(value.numpy())
+        if array.dtype.kind == "f" and not np.isfinite(array).all():
+            return False
+    return True
