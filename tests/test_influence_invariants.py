@@ -36,7 +36,7 @@ def test_clipping_binds_when_the_cap_is_below_one(factor: float) -> None:
     assert any(beyond) and not all(beyond)  # the case really clips some and not others
     for norm, scale, over in zip(SMALL_NORMS, scales, beyond, strict=True):
         if over:
-            assert norm * scale == pytest.approx(cap, rel=1e-12)
+            assert norm * scale == pytest.approx(cap, rel=1e-12, abs=0)
         else:
             assert scale == 1.0
 
@@ -65,7 +65,7 @@ def test_the_weight_cap_is_the_factor_times_the_median_weight() -> None:
     weights = [120.0, 7.0, 3000.0, 55.0, 9.0, 64.0]
     median = (sorted(weights)[2] + sorted(weights)[3]) / 2  # an even count: the mean of two
     for factor in (0.5, 1.0, 3.0):
-        assert weight_cap(weights, factor) == pytest.approx(factor * median, rel=1e-15)
+        assert weight_cap(weights, factor) == pytest.approx(factor * median, rel=1e-15, abs=0)
     assert weight_cap(weights, 0.0) is None  # off
     assert weight_cap([], 3.0) is None  # no replies: nothing to cap
 
@@ -88,4 +88,4 @@ def test_an_update_whose_squares_partly_underflow_gets_its_true_norm() -> None:
     exact = float(np.sqrt(np.sum(np.square(update, dtype=np.float64))))
     lost = (size - 2) * 2.0**-151  # what the underflowed squares hold
     assert lost / exact**2 > 5e-5  # the float32 sum would be off by that share
-    assert update_norm({"w": update}) == pytest.approx(exact, rel=1e-6)
+    assert update_norm({"w": update}) == pytest.approx(exact, rel=1e-6, abs=0)
