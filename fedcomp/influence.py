@@ -1,11 +1,15 @@
 """Bounded influence of one client on the mean: pure functions over a round's numbers.
 
 The wrapper applies them to decoded updates; they are kept here, Flower-free, so tests
-call them directly. The norm rules measure each update against the round's own scale,
-the LOWER median of the update norms (:func:`reference_norm`): with two replies it is
-the smaller one, so one hostile client among two cannot raise the bound it is held to,
-and with n replies fewer than half of them (rounded up) cannot. With a single reply
-there is no reference and only the absolute bounds apply.
+call them directly. The norm rules measure each update against the round's own scale.
+Clipping uses the LOWER median of the update norms (:func:`reference_norm`): with two
+replies it is the smaller one, so one hostile client among two cannot raise the bound
+it is held to, and with n replies fewer than half of them (rounded up) cannot.
+Rejection uses the UPPER median (:func:`rejection_reference`), which hostile clients
+cannot lower: with up to half of the replies zero or tiny, no honest update is
+rejected (the lower median would make every honest update an "outlier" and leave the
+hostile half alone in the mean). With a single reply there is no reference and only
+the absolute bounds apply.
 """
 
 from __future__ import annotations
@@ -105,10 +109,25 @@ def reference_norm(norms: Sequence[float]) -> float | None:
     return float(sorted(norms)[(len(norms) - 1) // 2])
 
 
+def rejection_reference(norms: Sequence[float]) -> float | None:
+    """The norm outliers are measured against: the upper median,
+    ``sorted(norms)[n // 2]`` (None with fewer than two norms).
+
+    Hostile clients cannot lower it below the smallest honest norm: with at most
+    ``n // 2`` of the n updates hostile, only they can lie below the smallest honest
+    norm, so at most ``n // 2`` norms do, and the one at index ``n // 2`` is at least
+    that honest norm however small the hostile norms are. With two updates it is the
+    larger one: neither can get the other rejected (a large one is clipped instead).
+    """
+    if len(norms) < 2:
+        return None
+    return float(sorted(norms)[len(norms) // 2])
+
+
 def outliers(norms: Sequence[float], factor: float) -> list[bool]:
-    """Which updates are beyond ``factor`` x the reference norm (none with fewer than
-    two updates)."""
-    reference = reference_norm(norms)
+    """Which updates are beyond ``factor`` x the rejection reference (the upper median;
+    none with fewer than two updates)."""
+    reference = rejection_reference(norms)
     if factor <= 0 or reference is None:
         return [False] * len(norms)
     bound = factor * reference

@@ -40,6 +40,7 @@ from fedcomp.influence import (
     clip_scales,
     outliers,
     reference_norm,
+    rejection_reference,
     total_weight_is_finite,
 )
 from fedcomp.keys import (
@@ -88,10 +89,33 @@ def test_clipping_brings_every_norm_within_the_cap_and_leaves_the_others_alone()
     assert clip_scales(norms, 0.0) == [1.0] * 41  # off
 
 
-def test_outliers_are_beyond_the_factor_times_the_reference_with_two_replies_too():
-    assert outliers([1.0, 1001.0], 1000.0) == [False, True]
-    assert outliers([1.0, 1000.0], 1000.0) == [False, False]  # the bound itself is in
+def test_outliers_are_beyond_the_factor_times_the_upper_median():
+    assert outliers([1.0, 1.0, 1001.0], 1000.0) == [False, False, True]
+    assert outliers([1.0, 1.0, 1000.0], 1000.0) == [False, False, False]  # the bound is in
+    # Two replies: the reference is the larger norm, so neither is rejected (the large
+    # one is clipped to norm_cap x the smaller instead: clip_scales).
+    assert outliers([1.0, 1001.0], 1000.0) == [False, False]
     assert outliers([5.0], 1000.0) == [False]
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 7, 10])
+def test_half_the_clients_sending_tiny_updates_cannot_get_an_honest_one_rejected(n):
+    """With up to n // 2 hostile replies of any tiny norm (zero included), the rejection
+    reference stays at or above the smallest honest norm, so an honest update is
+    rejected only if it is beyond the factor times another honest norm."""
+    rng = np.random.default_rng(n)
+    honest = list(rng.uniform(0.5, 2.0, size=n - n // 2))
+    for tiny in (0.0, 1e-30, 1e-6):
+        norms = honest + [tiny] * (n // 2)
+        reference = rejection_reference(norms)
+        assert reference == sorted(norms)[n // 2]
+        assert reference >= min(honest)
+        assert outliers(norms, 1000.0) == [False] * n
+    # ... while a strict minority of huge norms is still rejected.
+    if n >= 3:
+        norms = honest + [1e12] * ((n - 1) // 2)
+        flags = outliers(norms, 1000.0)
+        assert flags == [False] * len(honest) + [True] * ((n - 1) // 2)
 
 
 def test_the_total_weight_must_be_finite_and_positive():
