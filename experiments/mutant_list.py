@@ -129,7 +129,7 @@ MUTANTS = (
     Mutant(
         "onebit-side-center-zero",
         "the one-bit decoder ignores the previous aggregate as side center",
-        "fedcomp/flower/joint.py",
+        "fedcomp/flower/families/joint.py",
         "            side_center=state.center_for(name, reference.size),",
         "            side_center=np.zeros(reference.size),",
         ("tests/test_protocol_maths.py",),

@@ -2,7 +2,8 @@
 encoded residual, the h it leads to) and the server's per-client mirrors.
 
 The client half (:func:`choose_sync`, :func:`encode_residual`, :func:`residual_header`)
-is what the client mod runs on the tensors the policy compresses; the server half
+is what the residual family's client half (fedcomp.flower.families.residual) runs on
+the tensors the policy compresses; the server half
 (``MirrorStore``, ``ControlVariateServer``) reconstructs the same updates and keeps the
 same h. Both update h with the same float32 expression (``apply_residual``).
 

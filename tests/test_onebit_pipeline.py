@@ -14,7 +14,7 @@ from clients.client_app import make_client_app
 from experiments.inprocess import InProcessGrid, Spy, initial_arrays
 from fedcomp.aggregation import Aggregation
 from fedcomp.codecs import TensorPolicy
-from fedcomp.flower.joint import joint_names
+from fedcomp.flower.families.joint import joint_names
 from fedcomp.flower.options import IdentityOptions, ServerOptions
 from fedcomp.flower.strategy import CompressedStrategy
 from fedcomp.keys import (

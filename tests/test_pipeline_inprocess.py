@@ -602,9 +602,9 @@ def test_the_policy_threshold_from_the_settings_reaches_the_clients(min_numel, e
 def _live_update_peak(monkeypatch, handoff: str, n: int = 12, **trees) -> int:
     """The most decoded updates alive at once while the server takes a round: each
     decode's largest array is watched with a weak reference until it is freed."""
-    from fedcomp.flower import decoding
+    from fedcomp.flower.families import stateless
 
-    peak = _watch_live(monkeypatch, decoding, "decode_payloads")
+    peak = _watch_live(monkeypatch, stateless, "decode_payloads")
     settings = settings_from_dict(
         {
             "num_clients": n,
@@ -662,10 +662,11 @@ def test_the_pre_aggregated_mean_keeps_at_most_two_decoded_updates_alive(
 def _plain_mean_round(monkeypatch, *, second_pass=False, order=None, **aggregation):
     """One streaming plain-mean round: its record, the mean update and the number of
     payload decodes. ``second_pass``: refuse the sum taken during the first decode."""
-    from fedcomp.flower import decoding, handoff, round_state
+    from fedcomp.flower import handoff, round_state
+    from fedcomp.flower.families import stateless
 
     n, decodes, means = 8, [0], []
-    original = decoding.decode_payloads
+    original = stateless.decode_payloads
 
     def counted(*args, **kwargs):
         decodes[0] += 1
@@ -677,7 +678,7 @@ def _plain_mean_round(monkeypatch, *, second_pass=False, order=None, **aggregati
         means.append(real_mean(self, decoded, state))
         return means[-1]
 
-    monkeypatch.setattr(decoding, "decode_payloads", counted)
+    monkeypatch.setattr(stateless, "decode_payloads", counted)
     monkeypatch.setattr(handoff.PlainMean, "mean", kept)
     if second_pass:
         monkeypatch.setattr(round_state.Presum, "matches", lambda self, decoded: False)

@@ -26,7 +26,7 @@ from fedcomp.aggregation import Aggregation
 from fedcomp.codecs import TensorPolicy, decode_bytes, make_codec, parse_payload
 from fedcomp.codecs.residual import SYNC_NORMAL, SYNC_RESTART
 from fedcomp.downlink import BroadcastServer, parse_downlink
-from fedcomp.flower.joint import joint_names
+from fedcomp.flower.families.joint import joint_names
 from fedcomp.flower.memory_state import load_memory
 from fedcomp.flower.options import IdentityOptions, ServerOptions
 from fedcomp.flower.strategy import CompressedStrategy

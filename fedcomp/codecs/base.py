@@ -30,6 +30,9 @@ class Codec(ABC):
     codec_id: ClassVar[int]
     #: Registry name, as used by ``make_codec`` and Hydra's ``codec.name``.
     name: ClassVar[str]
+    #: The protocol family (fedcomp.flower.families): stateless codecs encode each
+    #: update alone and the server decodes each reply alone.
+    family: ClassVar[str] = "stateless"
     #: True when E[decode(encode(x))] = x (a claim backed by a test).
     unbiased: ClassVar[bool]
     #: True when decode regenerates public draws from the seed in the header; the

@@ -30,6 +30,8 @@ class Memory:
 
     name: str
     inner: Codec
+    #: The protocol family (fedcomp.flower.families).
+    family: str = "feedback"
 
     def spec(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -45,6 +47,7 @@ class TensorStateMemory(Memory):
     the error and Q). Subclasses encode one tensor; the loop over a reply is here."""
 
     SUFFIX: str
+    family = "tensor_state"
 
     def encode_tensor(
         self,

@@ -9,7 +9,8 @@ on one platform. The compression noise scales with ||delta_m - h_m||^2 instead o
 
 This module holds the pure maths (no flwr): the memory object, the per-tensor alpha,
 the update, and the checksum both sides compare. The protocol (versions, acks,
-resyncs) lives in the client mod and the server's mirror store.
+resyncs) is fedcomp.controlvariates (its maths and the server's mirror store) and
+fedcomp.flower.families.residual (its two halves on Flower's messages).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class ResidualMemory(Memory):
     """
 
     name = "residual"
+    family = "residual"
 
     def __init__(self, inner: Codec, alpha: float | None = None, bootstrap: str = "zero") -> None:
         if not isinstance(inner, Codec):

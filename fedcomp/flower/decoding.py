@@ -14,30 +14,19 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 
-import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message
+from flwr.app import Message
 
 from fedcomp.aggregate import RunningMean
-from fedcomp.codecs import Codec, Memory, TensorPolicy, make_codec_from_spec
-from fedcomp.codecs.residual import SYNC_FULL
-from fedcomp.controlvariates import ControlVariateServer, PendingMirror
+from fedcomp.codecs import make_codec_from_spec
 from fedcomp.failures import Failure
-from fedcomp.flower.joint import split_reply
+from fedcomp.flower.families.base import DecodedUpdate, ServerHalf
 from fedcomp.flower.rejection import reject
 from fedcomp.flower.round_state import Decoded, Presum, RoundState
 from fedcomp.flower.validation import (
     ReplyError,
     check_reply,
-    compressed_names,
-    decode_payloads,
 )
 from fedcomp.influence import MAX_NUM_EXAMPLES, update_norm
-from fedcomp.keys import (
-    KEY_CV_CHECKSUM,
-    KEY_CV_VERSION,
-    KEY_RESYNC,
-)
-from fedcomp.onebit import OneBitCode
 
 log = logging.getLogger("fedcomp.flower.strategy")  # one logger for the wrapper's lines
 
@@ -49,55 +38,35 @@ class ReplyDecoder:
 
     Parameters
     ----------
-    codec : Codec, Memory or OneBitCode
-        What the server asked the clients to use.
-    policy : TensorPolicy or None
-        The policy sent to the clients (None: each mod applies its own).
-    run_seed : int
-        The run's public seed (derived seeds are checked against it).
-    cv : ControlVariateServer or None
-        Residual memory: the mirrors.
+    half : ServerHalf
+        The codec family's server half (fedcomp.flower.families): what one reply's
+        payloads decode to.
     stable_of : callable
         Node id -> stable id (None for an unknown node).
     max_weight : float
         The largest num-examples a reply may claim (fedcomp.influence.Influence).
+    stream : bool
+        Release each decoded update once its norm is known and decode it again when
+        the reducer adds it: bounded server memory (not for joint codes, whose bits
+        are decoded together).
+    presum : bool
+        Also sum the plain mean during the first decode (round_state.Presum).
     """
 
     def __init__(
         self,
-        codec: Codec | Memory | OneBitCode,
+        half: ServerHalf,
         *,
-        policy: TensorPolicy | None,
-        run_seed: int,
-        cv: ControlVariateServer | None,
         stable_of: Callable[[int], int | None],
         max_weight: float = MAX_NUM_EXAMPLES,
         stream: bool = False,
         presum: bool = False,
     ) -> None:
-        self.codec = codec
-        #: Release each decoded update once its norm is known and decode it again when
-        #: the reducer adds it (stateless codecs, plain mean): bounded server memory.
-        self.stream = stream and not isinstance(codec, OneBitCode)
-        #: Also sum the plain mean during the first decode (round_state.Presum).
+        self.half = half
+        self.stream = stream and not half.joint
         self.presum = presum and self.stream
-        self.joint = isinstance(codec, OneBitCode)
-        #: The stateless codec clients use for compressed tensors (what every payload is
-        #: checked against); None for a joint code, whose payloads check themselves.
-        self.wire_codec: Codec | None = None
-        if not self.joint:
-            self.wire_codec = codec.inner if isinstance(codec, Memory) else codec
-        self.policy = policy
-        self.run_seed = run_seed
-        self.cv = cv
         self.stable_of = stable_of
         self.max_weight = max_weight
-
-    def _wire_codec(self, server_round: int) -> Codec | None:
-        """This round's stateless codec (a memory may change it by round: DGC's warm-up)."""
-        if isinstance(self.codec, Memory):
-            return self.codec.inner_for_round(server_round)
-        return self.wire_codec
 
     # ------------------------------------------------------------------ per reply
 
@@ -112,50 +81,19 @@ class ReplyDecoder:
         header, metrics, weight, payloads = check_reply(
             msg.content, sid, state.number, max_weight=self.max_weight
         )
-        if state.joint is not None:
-            deltas, joint, codecs = split_reply(
-                self.codec,
-                state.joint,
-                payloads,
-                state.global_arrays,
-                run_seed=self.run_seed,
-                server_round=state.number,
-                stable_id=sid,
-            )
-            _note_codecs(state, codecs)
-            return Decoded(sid, deltas, weight, metrics, msg, joint=joint)
-        deltas, codecs, pending, sync = self._decode_update(payloads, header, sid, state)
-        _note_codecs(state, codecs)
-        return Decoded(sid, deltas, weight, metrics, msg, pending=pending, sync=sync)
-
-    def _decode_update(
-        self, payloads: ArrayRecord, header: ConfigRecord, sid: int, state: RoundState
-    ) -> tuple[dict[str, np.ndarray], dict[str, str], PendingMirror | None, int]:
-        """The reply's update, the codec of each tensor, and under residual memory the
-        mirror the reply moves its client to (not stored: the mirror moves only when
-        the reply is accepted) and the reply's sync mode."""
-        sync = _int_field(header, KEY_RESYNC, 0) if self.cv is not None else 0
-        deltas, codecs = decode_payloads(
-            payloads,
-            state.global_arrays,
-            # A full-precision resync sends the covered tensors in fp32.
-            codec=_FP32 if sync == SYNC_FULL else self._wire_codec(state.number),
-            policy=self.policy,
-            run_seed=self.run_seed,
-            server_round=state.number,
-            stable_id=sid,
+        update = self.half.decode(payloads, header, sid, state)
+        for name, codec in update.codecs.items():  # the first reply that says so
+            state.tensor_codecs.setdefault(name, codec)
+        return Decoded(
+            sid,
+            update.deltas,
+            weight,
+            metrics,
+            msg,
+            joint=update.joint,
+            pending=update.pending,
+            sync=update.sync,
         )
-        pending = None
-        if self.cv is not None:
-            ghat, pending = self.cv.prepare(
-                sid,
-                {name: deltas[name] for name in compressed_names(codecs)},
-                version=_int_field(header, KEY_CV_VERSION, -1),
-                checksum=str(header.get(KEY_CV_CHECKSUM, "")),
-                sync=sync,
-            )
-            deltas.update(ghat)
-        return deltas, codecs, pending, sync
 
     # ------------------------------------------------------------------ per round
 
@@ -221,40 +159,23 @@ class ReplyDecoder:
         item.norm = update_norm(item.deltas)
         item.deltas = {}
         item.deferred, item.pending = item.pending is not None, None
-        item.reload = lambda: self._redecode(item.message, item.stable_id, state)[0]
+        item.reload = lambda: self._redecode(item.message, item.stable_id, state).deltas
 
-    def _redecode(
-        self, msg: Message, sid: int, state: RoundState
-    ) -> tuple[dict[str, np.ndarray], PendingMirror | None]:
+    def _redecode(self, msg: Message, sid: int, state: RoundState) -> DecodedUpdate:
         """The same checks and decoders as the first time, on the same bytes, against
         the same mirrors (none is committed before the round's mean is taken)."""
         header, _, _, payloads = check_reply(
             msg.content, sid, state.number, max_weight=self.max_weight
         )
-        deltas, _, pending, _ = self._decode_update(payloads, header, sid, state)
-        return deltas, pending
+        return self.half.decode(payloads, header, sid, state)
 
     def commit_deferred(self, decoded: list[Decoded], state: RoundState) -> None:
         """Move the mirrors of the accepted residual replies that were released: after
         the mean, whose loads need the mirrors the replies were encoded against. Each
         reply is decoded once more for it, so no round holds a mirror per client."""
         for item in decoded:
-            if item.deferred and self.cv is not None:
-                _, pending = self._redecode(item.message, item.stable_id, state)
+            if item.deferred:
+                pending = self._redecode(item.message, item.stable_id, state).pending
                 assert pending is not None
-                self.cv.commit(pending)
+                self.half.commit(pending)
                 item.deferred = False
-
-
-def _int_field(header: ConfigRecord, key: str, default: int) -> int:
-    """An integer header field; anything else is a malformed reply, not a crash."""
-    value = header.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ReplyError(f"header field {key}={value!r} is not an integer", Failure.MALFORMED)
-    return value
-
-
-def _note_codecs(state: RoundState, codecs: dict[str, str]) -> None:
-    """Record which codec each tensor travelled with (the first reply that says so)."""
-    for name, codec in codecs.items():
-        state.tensor_codecs.setdefault(name, codec)

@@ -5,7 +5,8 @@ when the wrapper is built (``make_handoff``), never re-decided per round.
   order; any inner strategy works.
 - ``PreAggregated``: one synthetic reply, global + the mean update, with a reducer:
   ``PlainMean`` (float32 running sum in stable-id order), ``TreeMean`` (variance-aware
-  reduction trees, fedcomp.trees) or ``JointMean`` (the one-bit code's joint decoder).
+  reduction trees, fedcomp.trees) or a codec family's own (the one-bit code's joint
+  decoder, fedcomp.flower.families.joint.JointMean).
 """
 
 from __future__ import annotations
@@ -18,11 +19,8 @@ from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from fedcomp.aggregate import weighted_mean
-from fedcomp.flower.joint import joint_mean
 from fedcomp.flower.round_state import Decoded, RoundState
 from fedcomp.keys import KEY_NUM_EXAMPLES, RECORD_METRICS
-from fedcomp.onebit import OneBitCode
-from fedcomp.onebit.federated import JointServerState
 from fedcomp.trees.aggregate import TreeConfig, TreeStats
 from fedcomp.trees.stream import streaming_tree_mean
 
@@ -108,35 +106,6 @@ class TreeMean:
         return mean
 
 
-class JointMean:
-    """The one-bit code's joint decode of its tensors; the raw ones as a plain mean."""
-
-    def __init__(self, code: OneBitCode, joint_state: JointServerState, run_seed: int) -> None:
-        self.code, self.joint_state, self.run_seed = code, joint_state, run_seed
-
-    def mean(self, decoded: list[Decoded], state: RoundState) -> dict[str, np.ndarray] | None:
-        updates, weights = [d.deltas for d in decoded], [d.weight for d in decoded]
-        mean = weighted_mean(updates, weights) if updates[0] else {}
-        assert state.joint is not None
-        try:
-            joint = joint_mean(
-                self.code,
-                state.joint,
-                self.joint_state,
-                [(d.stable_id, d.weight, d.joint) for d in decoded],
-                state.global_arrays,
-                run_seed=self.run_seed,
-                server_round=state.number,
-            )
-        except ValueError as exc:  # e.g. a non-finite mean: keep the model
-            log.warning("round %d: joint decoding failed: %s", state.number, exc)
-            state.record.joint = {"error": str(exc)}
-            return None
-        mean.update(joint)
-        state.record.joint = dict(state.joint.stats)
-        return mean
-
-
 class PreAggregated:
     """One synthetic reply: global + the reducer's mean, weights summed, the clients'
     metrics aggregated."""
@@ -163,20 +132,15 @@ class PreAggregated:
 
 
 def make_handoff(
-    handoff: str,
-    *,
-    trees: TreeConfig,
-    tree_stats: TreeStats,
-    code: object,
-    joint_state: JointServerState | None,
-    run_seed: int,
+    handoff: str, *, trees: TreeConfig, tree_stats: TreeStats, reducer: Reducer | None = None
 ) -> Handoff:
-    """The hand-off for the wrapper's settings (already checked by fedcomp.rules)."""
+    """The hand-off for the wrapper's settings (already checked by fedcomp.rules);
+    ``reducer``: the codec family's own mean (the joint code's), which the
+    pre-aggregated hand-off then uses."""
     if handoff == "per_client":
         return PerClient()
-    if isinstance(code, OneBitCode):
-        assert joint_state is not None
-        return PreAggregated(JointMean(code, joint_state, run_seed))
+    if reducer is not None:
+        return PreAggregated(reducer)
     if trees == TreeConfig():
         return PreAggregated(PlainMean())
     return PreAggregated(TreeMean(trees, tree_stats))

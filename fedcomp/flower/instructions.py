@@ -13,7 +13,7 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp.strategy import Strategy
 
 from fedcomp.codecs import TensorPolicy
-from fedcomp.flower.joint import JointRound
+from fedcomp.flower.families.joint import JointRound
 from fedcomp.flower.shared_settings import SharedSettings
 from fedcomp.keys import (
     KEY_ACK_ROUND,

@@ -42,12 +42,12 @@ from fedcomp.downlink import Replica, ReplicaError
 from fedcomp.flower.encoding import (
     Instruction,
     encode_update,
-    joint_plan,
     payload_content,
     reply_metrics,
     single,
     update_of,
 )
+from fedcomp.flower.families import family_of
 from fedcomp.flower.identity import identity_reply, is_identity_message, stable_id_of
 from fedcomp.flower.memory_state import (
     MemoryState,
@@ -80,7 +80,6 @@ from fedcomp.keys import (
     RECORD_HEADER,
     RECORD_METRICS,
 )
-from fedcomp.onebit import OneBitCode
 
 _WRAPPER = "fedcomp.flower.strategy.CompressedStrategy"
 #: Longest error reason a failed instruction's reply carries (the exception's text may
@@ -354,12 +353,10 @@ class CompressionMod:
                 f"CompressionMod: server expected stable id {expected}, this node is {stable_id}",
             )
         _, global_record = single(msg.content.array_records, "ArrayRecord", "train instruction")
-        plan = None
-        if isinstance(codec, OneBitCode):
-            try:
-                plan = joint_plan(codec, policy, config, global_record)
-            except (ValueError, TypeError) as exc:
-                return _precondition_error(msg, f"CompressionMod: {exc}")
+        try:  # the round's public plan, for families that have one (the joint code)
+            plan = family_of(codec).read_plan(policy, config, global_record)
+        except (ValueError, TypeError) as exc:
+            return _precondition_error(msg, f"CompressionMod: {exc}")
         return Instruction(
             config=config,
             codec=codec,

@@ -14,9 +14,9 @@ from collections.abc import Callable
 from flwr.app import Message, MessageType
 
 from fedcomp.flower.accounting import count_instructions, record_bytes
+from fedcomp.flower.families.joint import JointRound
 from fedcomp.flower.holdings import ClientHoldings
 from fedcomp.flower.instructions import Instructions, Sampling, sample
-from fedcomp.flower.joint import JointRound
 from fedcomp.flower.records import empty_client_row
 from fedcomp.flower.replica import ReplicaSender
 from fedcomp.flower.round_state import RoundState

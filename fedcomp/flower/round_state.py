@@ -4,16 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from flwr.app import Message, MetricRecord
 
 from fedcomp.aggregate import RunningMean
 from fedcomp.controlvariates import PendingMirror
-from fedcomp.flower.joint import JointRound
 from fedcomp.results import RoundCounts
 from fedcomp.traffic import Traffic
+
+if TYPE_CHECKING:  # the joint family's module imports the reply checks, which import this
+    from fedcomp.flower.families.joint import JointRound
 
 
 @dataclass

@@ -19,22 +19,19 @@ from typing import Any
 import numpy as np
 from flwr.app import Array, ArrayRecord, Message, MetricRecord
 
-from fedcomp.codecs import ResidualMemory, TensorPolicy
+from fedcomp.codecs import TensorPolicy
 from fedcomp.codecs.residual import SYNC_FULL, SYNC_RESTART
-from fedcomp.controlvariates import ControlVariateServer, MirrorStore
 from fedcomp.flower.accounting import count, record_bytes
 from fedcomp.flower.bounds import InfluenceBounds, drop_outliers
 from fedcomp.flower.budget import check_round_copies
 from fedcomp.flower.decoding import ReplyDecoder
+from fedcomp.flower.families import Family
 from fedcomp.flower.handoff import make_handoff
-from fedcomp.flower.joint import plan_round
 from fedcomp.flower.options import ServerOptions
 from fedcomp.flower.records import account_reply, empty_client_row
 from fedcomp.flower.rejection import count_error_reply, drop_metric_misfits
 from fedcomp.flower.round_state import Decoded, RoundState
 from fedcomp.keys import RECORD_PAYLOAD
-from fedcomp.onebit import OneBitCode
-from fedcomp.onebit.federated import JointServerState
 from fedcomp.traffic import Kind
 from fedcomp.trees.aggregate import TreeConfig, TreeStats
 
@@ -46,8 +43,9 @@ class Uplink:
 
     Parameters
     ----------
-    codec : Codec, Memory or OneBitCode
-        What the clients were asked to use (built from the wrapper's codec spec).
+    family : Family
+        The codec family of what the clients were asked to use
+        (fedcomp.flower.families.family_of).
     options : ServerOptions
         Hand-off, trees, mirror directory, influence bounds and the policy sent.
     run_seed : int
@@ -60,7 +58,7 @@ class Uplink:
 
     def __init__(
         self,
-        codec: Any,
+        family: Family,
         options: ServerOptions,
         run_seed: int,
         stable_of: Callable[[int], int | None],
@@ -68,23 +66,18 @@ class Uplink:
         policy: TensorPolicy | None,
     ) -> None:
         agg, influence = options.aggregation, options.influence
-        self.codec, self.aggregation = codec, agg
-        self.joint = isinstance(codec, OneBitCode)
-        #: Joint codes: the server's state across rounds (side center, tau).
-        self.joint_state = JointServerState(prior=codec.tau_prior) if self.joint else None
-        #: Residual memory: the server's mirrors of the clients' control variates.
-        self.cv = (
-            ControlVariateServer(codec, MirrorStore(agg.mirror_dir or None))
-            if isinstance(codec, ResidualMemory)
-            else None
-        )
+        self.aggregation = agg
+        #: The codec family's server half: what each reply decodes to, and its state.
+        self.half = family.server(policy, run_seed, agg.mirror_dir)
+        self.joint = self.half.joint
+        #: Residual memory's mirrors (None for other families; the round record's).
+        self.cv = self.half.cv
+        #: The joint code's state across rounds (None for other families).
+        self.joint_state = getattr(self.half, "joint_state", None)
         self.tree_stats = TreeStats()
         self.stable_of = stable_of
         self.decoder = ReplyDecoder(
-            codec,
-            policy=policy,
-            run_seed=run_seed,
-            cv=self.cv,
+            self.half,
             stable_of=stable_of,
             max_weight=influence.max_num_examples,
             # the plain mean and the trees take updates one at a time: release them
@@ -95,12 +88,7 @@ class Uplink:
         self.reject_factor = influence.reject_factor
         self.bounds = InfluenceBounds(influence, clip=not self.joint)
         self.handoff = make_handoff(
-            agg.handoff,
-            trees=agg.trees,
-            tree_stats=self.tree_stats,
-            code=codec,
-            joint_state=self.joint_state,
-            run_seed=run_seed,
+            agg.handoff, trees=agg.trees, tree_stats=self.tree_stats, reducer=self.half.reducer()
         )
 
     def receive(
@@ -150,8 +138,8 @@ class Uplink:
                 state.traffic.correct_fp32(
                     Kind.TRAIN_REPLY, row["uplink_wire_bytes"], row["fp32_wire_bytes"]
                 )
-            if item.pending is not None and self.cv is not None:
-                self.cv.commit(item.pending)
+            if item.pending is not None:
+                self.half.commit(item.pending)
             state.record.resyncs += item.sync == SYNC_FULL
             state.record.restarts += item.sync == SYNC_RESTART
             accepted_round[item.stable_id] = state.number
@@ -175,38 +163,33 @@ class Uplink:
     def prepare(self, state: RoundState, selected: list[int], policy: TensorPolicy) -> None:
         """Before the round's instructions leave: the joint code's plan (who answers
         which queries), and the refusal of a round whose dense copies cannot fit."""
-        if self.joint:
-            state.joint = plan_round(
-                self.codec, policy, self.joint_state, state.global_arrays, selected
-            )
+        self.half.plan(state, selected, policy)
         check_round_copies(
             len(selected),
             state.global_arrays,
             per_client=not self.aggregation.pre_aggregated,
-            mirrors_in_memory=self.cv is not None and not self.aggregation.mirror_dir,
+            mirrors_in_memory=self.half.mirrors_in_memory(),
         )
 
     def resync_requested(self, stable_id: int) -> bool:
         """Whether the client's next train instruction asks for a full resync."""
-        return self.cv is not None and stable_id in self.cv.resync_requested
+        return self.half.resync_requested(stable_id)
 
     def state_dict(self) -> dict[str, Any]:
         """What the uplink carries across rounds (checkpoints: fedcomp.flower.checkpoint)."""
         return {
-            "cv": self.cv.state_dict() if self.cv is not None else None,
+            "cv": None,  # the families' state under the keys checkpoints have always used
+            "joint": None,
+            **self.half.state_dict(),
             "tree_stats": self.tree_stats.state_dict(),
-            "joint": self.joint_state.state_dict() if self.joint_state is not None else None,
             "reference_norm": self.bounds.reference_norm,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.bounds.reference_norm = state.get("reference_norm")
-        if self.cv is not None and state.get("cv") is not None:
-            self.cv.load_state_dict(state["cv"])
+        self.half.load_state_dict(state)
         if "tree_stats" in state:
             self.tree_stats.load_state_dict(state["tree_stats"])
-        if self.joint_state is not None and state.get("joint") is not None:
-            self.joint_state.load_state_dict(state["joint"])
 
 
 def cast_like(arrays: ArrayRecord, reference: Mapping[str, np.ndarray]) -> ArrayRecord:

@@ -17,6 +17,7 @@ from flwr.serverapp.strategy import Strategy
 
 from fedcomp.codecs import TensorPolicy, make_codec_from_spec
 from fedcomp.downlink import DownlinkSpec, parse_downlink
+from fedcomp.flower.families import family_of
 from fedcomp.flower.holdings import ClientHoldings
 from fedcomp.flower.instructions import Instructions, Sampling
 from fedcomp.flower.options import ServerOptions
@@ -25,7 +26,6 @@ from fedcomp.flower.replica import ReplicaSender
 from fedcomp.flower.resume import ServerCheckpoint
 from fedcomp.flower.round_book import RoundBook
 from fedcomp.flower.uplink import Uplink
-from fedcomp.onebit import OneBitCode
 from fedcomp.reporting import Reporting
 
 
@@ -59,8 +59,9 @@ def build_parts(
     sampling = Sampling.of(inner)
     options.check(str(codec_spec.get("name")), type(inner).__name__, sampling)
     codec = make_codec_from_spec(codec_spec)
+    family = family_of(codec)
     # Joint codes: the server sends its policy, so both halves pick the same tensors.
-    sent = options.policy or (TensorPolicy() if isinstance(codec, OneBitCode) else None)
+    sent = options.policy or (TensorPolicy() if family.sends_policy else None)
     policy = sent or TensorPolicy()
     if not isinstance(downlink, DownlinkSpec):
         downlink = parse_downlink(downlink or {"name": "fp32"})
@@ -70,7 +71,7 @@ def build_parts(
     clients = ClientHoldings(
         instructions.shared, replicas, reply_timeout=ident.reply_timeout, bind_keys=ident.bind_keys
     )
-    uplink = Uplink(codec, options, run_seed, clients.ids.stable_of, policy=sent)
+    uplink = Uplink(family, options, run_seed, clients.ids.stable_of, policy=sent)
     seeded = downlink.initial == "seeded"
     outbox = Outbox(
         instructions, clients, replicas, sampling, run_seed=run_seed, seeded_initial=seeded

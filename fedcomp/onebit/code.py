@@ -150,6 +150,8 @@ class OneBitCode:
     tau_prior: float = 1.0
 
     name = "onebit"
+    #: The protocol family (fedcomp.flower.families): decoded only jointly.
+    family = "joint"
 
     def __post_init__(self) -> None:
         def bad(key: str, allowed: str) -> ValueError:
