@@ -96,6 +96,9 @@ def test_outliers_are_beyond_the_factor_times_the_upper_median():
     # one is clipped to norm_cap x the smaller instead: clip_scales).
     assert outliers([1.0, 1001.0], 1000.0) == [False, False]
     assert outliers([5.0], 1000.0) == [False]
+    # Two replies do have a reference (the larger norm): below a factor of 1 it binds.
+    assert rejection_reference([1.0, 4.0]) == 4.0 and rejection_reference([4.0]) is None
+    assert outliers([1.0, 4.0], 0.5) == [False, True]
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 7, 10])
