@@ -76,7 +76,11 @@ class Outcome:
 
 
 def outcomes(work: Path) -> dict[str, str]:
-    """Each mutant's outcome, from mutmut's per-file .meta records."""
+    """Each mutant's outcome: mutmut's per-file .meta records, or after a re-run of the
+    survivors (:func:`rerun_survivors`) the merged outcomes it saved."""
+    merged = work / "mutants" / "merged-outcomes.json"
+    if merged.exists():
+        return json.loads(merged.read_text())
     result = {}
     for meta in sorted((work / "mutants").rglob("*.py.meta")):
         codes = json.loads(meta.read_text())["exit_code_by_key"]
@@ -154,12 +158,14 @@ def natural(name: str) -> list:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
-def run_mutmut(work: Path, max_children: int) -> float:
-    """``mutmut run`` in the scope's directory; its wall time in seconds."""
+def run_mutmut(work: Path, max_children: int, names: list[str] | None = None) -> float:
+    """``mutmut run`` in the scope's directory (only the ``names`` mutants when given);
+    its wall time in seconds, also saved in mutants/run.json."""
     env = dict(os.environ, PYTHONPATH="")  # mutmut puts ./mutants first; nothing else
     t0 = time.perf_counter()
+    command = ["mutmut", "run", "--max-children", str(max_children), *(names or [])]
     run = subprocess.run(
-        [sys.executable, "-m", "mutmut", "run", "--max-children", str(max_children)],
+        [sys.executable, "-m", *command],
         cwd=work,
         env=env,
         capture_output=True,
@@ -169,10 +175,48 @@ def run_mutmut(work: Path, max_children: int) -> float:
     if run.returncode != 0:
         sys.stderr.write(run.stdout[-4000:] + run.stderr[-4000:])
         raise SystemExit(f"mutmut run failed in {work} (exit {run.returncode})")
+    record = {"wall_seconds": round(wall, 1), "max_children": max_children}
     (work / "mutants" / "run.json").write_text(
-        json.dumps({"wall_seconds": round(wall, 1), "max_children": max_children})
+        json.dumps({**record, "tests": project_selection(work)})
     )
     return wall
+
+
+def project_selection(work: Path) -> list[str]:
+    """The test selection the scope's directory ran with."""
+    return project_mutmut(work)["pytest_add_cli_args_test_selection"]
+
+
+def rerun_survivors(scope: Scope, max_children: int) -> None:
+    """Run the last run's survivors again against the scope's tests as they are now
+    (tests added since), in a fresh directory; the other mutants keep their outcome
+    (a killed mutant stays killed when tests are only added). Saves the merged outcomes
+    and both wall times.
+
+    Raises
+    ------
+    SystemExit
+        When the scope has no previous run, or the re-run left a survivor unchecked.
+    """
+    work = scope.workdir()
+    if not (work / "mutants" / "run.json").exists():
+        raise SystemExit(f"scope {scope.name}: no previous run to re-run the survivors of")
+    before, first = outcomes(work), json.loads((work / "mutants" / "run.json").read_text())
+    survivors = sorted((n for n, s in before.items() if s == "survived"), key=natural)
+    previous_tests = first.get("tests") or project_selection(work)
+    prepare_workdir(scope)
+    wall = run_mutmut(work, max_children, survivors)
+    after = outcomes(work)
+    unchecked = [n for n in survivors if after.get(n, "not checked") == "not checked"]
+    if unchecked:
+        raise SystemExit(f"scope {scope.name}: the re-run did not check {unchecked[:5]}")
+    (work / "mutants" / "merged-outcomes.json").write_text(
+        json.dumps({**before, **{n: after[n] for n in survivors}})
+    )
+    rerun = {"wall_seconds": round(wall, 1), "mutants": len(survivors)}
+    (work / "mutants" / "run.json").write_text(
+        json.dumps({**first, "tests": previous_tests, "rerun": rerun})
+    )
 
 
 def triage_rows(
@@ -212,6 +256,16 @@ def header_lines(scope: Scope, status: dict[str, str], run: dict, triage_path: s
         "against the tests among these that cover its function",
         *([f"- left out: {scope.left_out}"] if scope.left_out else []),
         f"- wall time: {run['wall_seconds'] / 60:.1f} min (stats collection and all mutants)",
+        *(
+            [
+                f"- re-run: the {run['rerun']['mutants']} survivors of that run, against "
+                f"the tests above, in {run['rerun']['wall_seconds'] / 60:.1f} min; the first "
+                f"run's tests were `{shlex.join(run['tests'])}` (the other mutants keep its "
+                "outcome: tests were only added)"
+            ]
+            if "rerun" in run
+            else []
+        ),
         f"- mutants: {len(status)}; killed {counts['killed']}, timeout {counts['timeout']}, "
         f"survived {counts['survived']}, no covering test {counts['no tests']}, "
         f"suspicious {counts['suspicious']}, other {other}",
@@ -225,29 +279,9 @@ def header_lines(scope: Scope, status: dict[str, str], run: dict, triage_path: s
     ]
 
 
-def summarise(scope: Scope, out: Path) -> Outcome:
-    """Write the scope's summary from its last run; the counts for the index."""
-    work = scope.workdir()
-    status = outcomes(work)
-    check_mutated_files(scope, list(status))
-    run = json.loads((work / "mutants" / "run.json").read_text())
-    module = importlib.import_module(scope.triage)
-    survivors = sorted((n for n, s in status.items() if s == "survived"), key=natural)
-    rows, verdicts, untriaged = triage_rows(
-        survivors, survivor_diffs(work, survivors), module.TRIAGE
-    )
-    stale = sorted(set(module.TRIAGE) - set(survivors), key=natural)
-    uncovered = Counter(function_of(n) for n, s in status.items() if s == "no tests")
-    triage_path = scope.triage.replace(".", "/") + ".py"
+def table_lines(rows: list[str], uncovered: Counter, stale: list[str]) -> list[str]:
+    """The summary's tables: survivors, unreached functions, stale triage entries."""
     lines = [
-        *header_lines(scope, status, run, triage_path),
-        "Survivors: " + ", ".join(f"{v} {n}" for v, n in sorted(verdicts.items())) + ".",
-        "",
-        module.NOTES,
-        "",
-        f"`cd {scope.workdir().relative_to(PROJECT_ROOT)} && python -m mutmut show NAME` "
-        "prints a mutant's full diff after a run.",
-        "",
         "## Survivors",
         "",
         "| mutant | original | mutated | triage | reason |",
@@ -263,26 +297,49 @@ def summarise(scope: Scope, out: Path) -> Outcome:
         "|---|---|",
         *(f"| `{f}` | {n} |" for f, n in sorted(uncovered.items())),
         "",
-        *(
-            ["## Stale triage entries (their mutant no longer survives: delete them)", ""]
-            + [f"- `{n}`" for n in stale]
-            + [""]
-            if stale
-            else []
-        ),
+    ]
+    if stale:
+        lines += ["## Stale triage entries (their mutant no longer survives: delete them)", ""]
+        lines += [*(f"- `{n}`" for n in stale), ""]
+    return lines
+
+
+def summarise(scope: Scope, out: Path) -> Outcome:
+    """Write the scope's summary from its last run; the counts for the index."""
+    work = scope.workdir()
+    status = outcomes(work)
+    check_mutated_files(scope, list(status))
+    run = json.loads((work / "mutants" / "run.json").read_text())
+    module = importlib.import_module(scope.triage)
+    survivors = sorted((n for n, s in status.items() if s == "survived"), key=natural)
+    rows, verdicts, untriaged = triage_rows(
+        survivors, survivor_diffs(work, survivors), module.TRIAGE
+    )
+    stale = sorted(set(module.TRIAGE) - set(survivors), key=natural)
+    uncovered = Counter(function_of(n) for n, s in status.items() if s == "no tests")
+    lines = [
+        *header_lines(scope, status, run, scope.triage.replace(".", "/") + ".py"),
+        "Survivors: " + ", ".join(f"{v} {n}" for v, n in sorted(verdicts.items())) + ".",
+        "",
+        module.NOTES,
+        "",
+        f"`cd {scope.workdir().relative_to(PROJECT_ROOT)} && python -m mutmut show NAME` "
+        "prints a mutant's full diff after a run.",
+        "",
+        *table_lines(rows, uncovered, stale),
     ]
     out.write_text("\n".join(lines))
     counts = Counter(status.values())
-    tested = len(status) - counts["no tests"] - counts["skipped"]
-    caught = counts["killed"] + counts["timeout"] + counts["caught by type check"]
+    wall = run["wall_seconds"] + run.get("rerun", {}).get("wall_seconds", 0.0)
     print(
         f"{scope.name}: {len(status)} mutants, {counts['survived']} survived, "
-        f"{untriaged} untriaged, {len(stale)} stale; {run['wall_seconds'] / 60:.1f} min; "
+        f"{untriaged} untriaged, {len(stale)} stale; {wall / 60:.1f} min; "
         f"summary in {out.relative_to(PROJECT_ROOT)}"
     )
+    tested = len(status) - counts["no tests"] - counts["skipped"]
+    caught = counts["killed"] + counts["timeout"] + counts["caught by type check"]
     return Outcome(
-        scope, len(status), counts["survived"], caught, tested, run["wall_seconds"],
-        untriaged + len(stale),
+        scope, len(status), counts["survived"], caught, tested, wall, untriaged + len(stale)
     )
 
 
@@ -293,7 +350,8 @@ def write_index(results: list[Outcome], out: Path) -> None:
         "# Mutation testing, every scope (`make mutation`)",
         "",
         f"mutmut {version('mutmut')}, scopes run one after another; total wall time "
-        f"{total / 60:.1f} min (each scope's stats collection and mutants).",
+        f"{total / 60:.1f} min (each scope's stats collection and mutants, and the re-run "
+        "of its survivors where there was one).",
         "",
         "| scope | files | mutants | survived | score | wall (min) | summary |",
         "|---|---|---|---|---|---|---|",
@@ -316,6 +374,11 @@ def main() -> int:
     parser.add_argument(
         "--no-run", action="store_true", help="rewrite the summaries from the last runs"
     )
+    parser.add_argument(
+        "--rerun-survivors",
+        action="store_true",
+        help="run the last run's survivors again against the scope's current tests",
+    )
     args = parser.parse_args()
     try:
         chosen = select(args.scope)
@@ -325,7 +388,9 @@ def main() -> int:
         parser.error("--out names one summary: give --scope too")
     results = []
     for scope in chosen:
-        if not args.no_run:
+        if args.rerun_survivors:
+            rerun_survivors(scope, args.max_children)
+        elif not args.no_run:
             run_mutmut(prepare_workdir(scope), args.max_children)
         results.append(summarise(scope, PROJECT_ROOT / (args.out or scope.summary)))
     if args.scope == "all":

@@ -81,9 +81,10 @@ def test_a_well_formed_reply_returns_its_records_and_its_weight_as_a_float() -> 
     ("content", "kind", "needle"),
     [
         (_reply(drop=RECORD_HEADER), Failure.MISSING_MOD, "CompressionMod"),
-        (_reply(**{KEY_PROTOCOL: PROTOCOL_VERSION + 1}), Failure.PROTOCOL, "protocol"),
-        (_reply(**{KEY_STABLE_ID: SID + 1}), Failure.WRONG_CLIENT, f"node is {SID}"),
-        (_reply(**{KEY_ROUND: ROUND - 1}), Failure.WRONG_ROUND, f"not {ROUND}"),
+        # each message names the claimed value and the expected one
+        (_reply(**{KEY_PROTOCOL: 99}), Failure.PROTOCOL, f"version 99 != {PROTOCOL_VERSION}"),
+        (_reply(**{KEY_STABLE_ID: 99}), Failure.WRONG_CLIENT, f"id 99, node is {SID}"),
+        (_reply(**{KEY_ROUND: 99}), Failure.WRONG_ROUND, f"round 99, not {ROUND}"),
         (_reply(drop=RECORD_METRICS), Failure.BAD_WEIGHT, KEY_NUM_EXAMPLES),
         (_reply(drop=RECORD_PAYLOAD), Failure.BAD_LAYOUT, RECORD_PAYLOAD),
     ],
@@ -114,7 +115,8 @@ def test_the_weight_bound_accepts_its_ends_and_refuses_one_step_past() -> None:
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, [0.1, 0.2]])
 def test_a_train_metric_must_be_one_finite_number(bad) -> None:
     check_train_metrics(MetricRecord({"a": 1.0, "b": -3}))
-    _refused(Failure.BAD_METRICS, check_train_metrics, MetricRecord({"a": 1.0, "b": bad}))
+    message = _refused(Failure.BAD_METRICS, check_train_metrics, MetricRecord({"a": 1.0, "b": bad}))
+    assert f"b={bad!r}" in message
     content = _reply()
     content[RECORD_METRICS] = MetricRecord({KEY_NUM_EXAMPLES: 4.0, "b": bad})
     _refused(Failure.BAD_METRICS, check_reply, content, SID, ROUND)
@@ -138,14 +140,19 @@ def test_an_evaluate_reply_needs_exactly_one_metric_record() -> None:
 @pytest.mark.parametrize("bad", [math.nan, math.inf, [0.5, math.nan], [math.inf]])
 def test_every_evaluate_value_must_be_finite_lists_included(bad) -> None:
     check_evaluate_reply(_evaluate({KEY_NUM_EXAMPLES: 5, "curve": [0.1, 0.2]}))
-    _refused(Failure.NONFINITE, check_evaluate_reply, _evaluate({KEY_NUM_EXAMPLES: 5, "x": bad}))
+    reply = _evaluate({KEY_NUM_EXAMPLES: 5, "x": bad})
+    # the message names the metric and its value (the sender's log says what to fix)
+    assert f"x={bad!r}" in _refused(Failure.NONFINITE, check_evaluate_reply, reply)
 
 
 def test_the_evaluate_weight_must_be_a_positive_scalar_under_its_key() -> None:
     tiny = math.ulp(0.0)
     assert check_evaluate_reply(_evaluate({"n": tiny}), weighted_by="n")["n"] == tiny
     for bad in (0, -1.0, [3, 4]):
-        _refused(Failure.BAD_WEIGHT, check_evaluate_reply, _evaluate({"n": bad}), weighted_by="n")
+        message = _refused(
+            Failure.BAD_WEIGHT, check_evaluate_reply, _evaluate({"n": bad}), weighted_by="n"
+        )
+        assert f"n={bad!r}" in message
     # present under another key only: missing
     _refused(Failure.BAD_WEIGHT, check_evaluate_reply, _evaluate({"n": 5}))
 
@@ -236,10 +243,12 @@ def test_tensor_names_must_be_the_global_models_in_its_order() -> None:
 def test_shape_dtype_and_size_are_checked_against_the_global_tensor() -> None:
     model = {"w": np.zeros((2, 3), np.float32)}
     raw = RawCodec()
-    assert "shape" in _refused(Failure.BAD_LAYOUT, _decode, {"w": raw.encode(torch.ones(3, 2))},
-                               model)  # fmt: skip
-    assert "dtype" in _refused(Failure.BAD_LAYOUT, _decode,
-                               {"w": raw.encode(torch.ones(2, 3, dtype=torch.float64))}, model)
+    # each message starts with the tensor's name
+    assert "w: shape" in _refused(Failure.BAD_LAYOUT, _decode,
+                                  {"w": raw.encode(torch.ones(3, 2))}, model)  # fmt: skip
+    assert "w: dtype" in _refused(
+        Failure.BAD_LAYOUT, _decode, {"w": raw.encode(torch.ones(2, 3, dtype=torch.float64))}, model
+    )
     # one element more than the global tensor: refused at parsing, before decoding
     with pytest.raises(PayloadError, match="above the limit of 6"):
         _decode({"w": raw.encode(torch.ones(7))}, model)
@@ -253,7 +262,13 @@ def test_a_codec_other_than_the_one_sent_is_a_spec_mismatch_naming_the_allowed()
         _decode({"w": qsgd.encode(x, seed=1)}, model, codec=make_codec("uniform"),
                 policy=TensorPolicy())  # fmt: skip
     assert info.value.expected == [make_codec("uniform").codec_id]
-    assert "uniform (id 4)" in str(info.value)
+    assert (info.value.field, info.value.value) == ("codec id", qsgd.codec_id)
+    assert str(info.value).startswith("w: codec id 5")
+    # without a policy the client may also send raw: both are named
+    with pytest.raises(SpecMismatch) as info:
+        _decode({"w": qsgd.encode(x, seed=1)}, model, codec=make_codec("uniform"))
+    assert info.value.expected == [RawCodec.codec_id, make_codec("uniform").codec_id]
+    assert str(info.value).endswith("asked for raw (id 0) or uniform (id 4)")
     # the right codec with other parameters: refused by its own spec check
     with pytest.raises(SpecMismatch, match="bits"):
         _decode({"w": make_codec("uniform", bits=2).encode(x, seed=1)}, model,
@@ -265,9 +280,11 @@ def test_the_seed_must_be_the_derived_one_for_seeded_codecs_and_zero_otherwise()
     x = torch.arange(50, dtype=torch.float32)
     randk = make_codec("randk", k=10)
     _decode({"w": randk.encode(x, seed=_seed("w"))}, model, codec=randk)
-    with pytest.raises(SpecMismatch, match="seed") as info:
+    with pytest.raises(SpecMismatch) as info:
         _decode({"w": randk.encode(x, seed=_seed("w") + 1)}, model, codec=randk)
+    assert (info.value.field, info.value.value) == ("seed", _seed("w") + 1)
     assert info.value.expected == _seed("w")
+    assert str(info.value).startswith("w (randk): seed is")
     # a codec drawing nothing public must carry seed 0 (its header's default)
     uniform = make_codec("uniform")
     payload = uniform.encode(x, seed=5)

@@ -1,0 +1,173 @@
+"""The codecs' maths and bounds from their definitions (fedcomp/codecs: base, quantizers,
+sparse, wire), on small tensors so that each case takes milliseconds.
+
+- every variance factor equals its closed form, at the sizes where its ``min`` and
+  ``max`` switch (an empty tensor, one element, a block and one more);
+- every decoder's bound check accepts the boundary and refuses one past it with a
+  PayloadError whose message names the codec and the field;
+- decode(encode(x)) stays within the codec's proven per-coordinate error, on its grid;
+- the registry refuses a second codec with a taken name or id.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from fedcomp.codecs import make_codec
+from fedcomp.codecs.base import Codec, codec_class, codec_class_by_id, register
+from fedcomp.codecs.sparse import kept
+from fedcomp.codecs.wire import Payload, PayloadError
+
+
+def _x(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed))
+
+
+# ----------------------------------------------------------------------- registry
+
+
+class _Probe(Codec):
+    codec_id = 250
+    name = "probe-codec"
+    unbiased = False
+
+    def encode(self, x, *, seed):  # pragma: no cover - never called
+        raise NotImplementedError
+
+    @classmethod
+    def decode_payload(cls, payload):  # pragma: no cover - never called
+        raise NotImplementedError
+
+
+def test_a_new_codec_is_registered_under_its_name_and_id() -> None:
+    from fedcomp.codecs import base
+
+    assert codec_class_by_id(_Probe.codec_id) is None
+    try:
+        assert register(_Probe) is _Probe
+        assert codec_class(_Probe.name) is _Probe
+        assert codec_class_by_id(_Probe.codec_id) is _Probe
+    finally:
+        base._BY_ID.pop(_Probe.codec_id, None)
+        base._BY_NAME.pop(_Probe.name, None)
+
+
+@pytest.mark.parametrize(("codec_id", "name"), [(250, "uniform"), (4, "probe-codec")])
+def test_a_taken_name_or_id_is_refused_naming_both(codec_id: int, name: str) -> None:
+    from fedcomp.codecs import base
+
+    probe = type("Probe", (_Probe,), {"codec_id": codec_id, "name": name})
+    before = (dict(base._BY_ID), dict(base._BY_NAME))
+    try:
+        with pytest.raises(RuntimeError, match=f"codec '{name}' / id {codec_id} registered twice"):
+            register(probe)
+        assert (base._BY_ID, base._BY_NAME) == before
+    finally:
+        base._BY_ID.clear(), base._BY_ID.update(before[0])
+        base._BY_NAME.clear(), base._BY_NAME.update(before[1])
+
+
+# ----------------------------------------------------------------------- variance factors
+
+
+SIZES = [0, 1, 2, 63, 64, 65, 1000]
+
+
+@pytest.mark.parametrize("numel", SIZES)
+@pytest.mark.parametrize("bits", [1, 4, 8])
+def test_uniform_and_dither_factors_are_their_closed_forms(numel: int, bits: int) -> None:
+    d = min(64, max(numel, 1))  # coordinates per block; an empty tensor counts as one
+    levels = 2**bits - 1
+    uniform = make_codec("uniform", bits=bits, block=64)
+    dither = make_codec("dither", bits=bits, block=64)
+    assert uniform.variance_factor(numel) == pytest.approx(d / levels**2, rel=1e-15)
+    assert dither.variance_factor(numel) == pytest.approx(d / (3 * levels**2), rel=1e-15)
+
+
+@pytest.mark.parametrize("numel", SIZES)
+@pytest.mark.parametrize("levels", [1, 3, 16, 127])
+def test_qsgd_factor_is_the_smaller_of_its_two_bounds(numel: int, levels: int) -> None:
+    d = min(64, max(numel, 1))
+    codec = make_codec("qsgd", levels=levels, block=64)
+    want = min(d / levels**2, math.sqrt(d) / levels)
+    assert codec.variance_factor(numel) == pytest.approx(want, rel=1e-15)
+
+
+@pytest.mark.parametrize("numel", SIZES)
+def test_randk_factor_is_numel_over_kept_minus_one(numel: int) -> None:
+    by_k, by_fraction = make_codec("randk", k=5), make_codec("randk", fraction=0.3)
+    k5 = min(numel, 5)
+    k30 = 0 if numel == 0 else max(1, math.ceil(0.3 * numel))
+    assert kept(numel, None, 5) == k5 and kept(numel, 0.3, None) == k30
+    # an empty tensor keeps nothing and has no error: factor 0
+    assert by_k.variance_factor(numel) == (numel / k5 - 1 if k5 else 0.0)
+    assert by_fraction.variance_factor(numel) == (numel / k30 - 1 if k30 else 0.0)
+
+
+@pytest.mark.parametrize(("name", "want"), [("raw", 0.0), ("fp32", 0.0), ("sign", None)])
+def test_the_default_factor_is_zero_for_exact_codecs_and_none_for_biased(name, want) -> None:
+    assert make_codec(name).variance_factor(100) == want
+
+
+# ----------------------------------------------------------------------- bound messages
+
+
+def _short(payload: Payload) -> bytes:
+    """The payload with its body one byte short."""
+    return bytes(payload)[:-1]
+
+
+def _decode(cls, buf: bytes):
+    from fedcomp.codecs.wire import parse_payload
+
+    return cls.decode_payload(parse_payload(buf))
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"name": "uniform", "bits": 3, "block": 16},
+        {"name": "dither", "bits": 2, "block": 16},
+        {"name": "qsgd", "levels": 5, "block": 16},
+        {"name": "sign", "block": 16},
+        {"name": "topk", "k": 7},
+        {"name": "randk", "k": 7},
+    ],
+    ids=lambda s: s["name"],
+)
+def test_a_body_one_byte_short_is_refused_naming_the_codec_and_both_lengths(spec) -> None:
+    params = dict(spec)
+    codec = make_codec(params.pop("name"), **params)
+    payload = codec.encode(_x(50), seed=3)
+    size = len(payload.body)
+    with pytest.raises(PayloadError) as info:
+        _decode(type(codec), _short(payload))
+    assert str(info.value).startswith(f"{codec.name}: body has {size - 1} bytes")
+    assert str(info.value).endswith(f"header implies {size}")
+
+
+def _topk_payload(n: int, k: int, nvar: int, tail: bytes) -> bytes:
+    payload = make_codec("topk", k=1).encode(_x(n), seed=0)
+    return bytes(payload.header.pack()) + struct.pack("<QQ", k, nvar) + tail
+
+
+def test_topk_varint_bytes_out_of_range_are_refused_naming_codec_and_field() -> None:
+    with pytest.raises(PayloadError) as info:
+        _decode(codec_class("topk"), _topk_payload(10, 2, 19, b""))
+    assert str(info.value) == "topk: varint bytes=19 is outside 2..18"
+    assert (info.value.field, info.value.value, info.value.expected) == ("varint bytes", 19, (2, 18))
+
+
+def test_a_topk_index_past_the_tensor_is_refused_and_the_last_one_accepted() -> None:
+    n = 10
+    values = np.array([1.5, -2.0], "<f4").tobytes()
+    last = _decode(codec_class("topk"), _topk_payload(n, 2, 2, bytes([0, 8]) + values))
+    assert last.tolist() == [1.5] + [0.0] * 8 + [-2.0]
+    assert last.dtype == torch.float32
+    with pytest.raises(PayloadError, match="^topk: index beyond the tensor$"):
+        _decode(codec_class("topk"), _topk_payload(n, 2, 2, bytes([0, 9]) + values))
