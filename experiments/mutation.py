@@ -161,7 +161,11 @@ def natural(name: str) -> list:
 def run_mutmut(work: Path, max_children: int, names: list[str] | None = None) -> float:
     """``mutmut run`` in the scope's directory (only the ``names`` mutants when given);
     its wall time in seconds, also saved in mutants/run.json."""
-    env = dict(os.environ, PYTHONPATH="")  # mutmut puts ./mutants first; nothing else
+    # mutmut puts ./mutants first on the path, nothing else. One OpenMP thread: each
+    # mutant's process is forked from mutmut's, and a child forked after torch started
+    # its OpenMP pool hangs in its first parallel operation (measured: 2M-element ops),
+    # which mutmut then reported as a timeout, i.e. as caught.
+    env = dict(os.environ, PYTHONPATH="", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     t0 = time.perf_counter()
     command = ["mutmut", "run", "--max-children", str(max_children), *(names or [])]
     run = subprocess.run(

@@ -96,6 +96,7 @@ EXTRA_SCOPES: tuple[Scope, ...] = (
             "tests/test_codecs.py",
             "tests/test_codec_factors.py",
             "tests/test_bounds.py",
+            "tests/test_codec_invariants.py",
         ),
         summary="experiments/results/mutation_codecs.md",
         triage="experiments.mutation_triage_codecs",

@@ -160,7 +160,8 @@ def test_topk_varint_bytes_out_of_range_are_refused_naming_codec_and_field() -> 
     with pytest.raises(PayloadError) as info:
         _decode(codec_class("topk"), _topk_payload(10, 2, 19, b""))
     assert str(info.value) == "topk: varint bytes=19 is outside 2..18"
-    assert (info.value.field, info.value.value, info.value.expected) == ("varint bytes", 19, (2, 18))
+    fields = (info.value.field, info.value.value, info.value.expected)
+    assert fields == ("varint bytes", 19, (2, 18))
 
 
 def test_a_topk_index_past_the_tensor_is_refused_and_the_last_one_accepted() -> None:
@@ -169,5 +170,160 @@ def test_a_topk_index_past_the_tensor_is_refused_and_the_last_one_accepted() -> 
     last = _decode(codec_class("topk"), _topk_payload(n, 2, 2, bytes([0, 8]) + values))
     assert last.tolist() == [1.5] + [0.0] * 8 + [-2.0]
     assert last.dtype == torch.float32
-    with pytest.raises(PayloadError, match="^topk: index beyond the tensor$"):
+    with pytest.raises(PayloadError, match=r"^topk: index beyond the tensor$"):
         _decode(codec_class("topk"), _topk_payload(n, 2, 2, bytes([0, 9]) + values))
+
+
+# ----------------------------------------------------------------------- proven errors
+
+
+def _blocks(x: torch.Tensor, block: int) -> list[torch.Tensor]:
+    flat = x.reshape(-1).double()
+    return [flat[i : i + block] for i in range(0, flat.numel(), block)]
+
+
+@pytest.mark.parametrize("bits", [1, 2, 5, 8])
+def test_uniform_decodes_to_one_of_the_two_levels_around_each_coordinate(bits: int) -> None:
+    """Levels -s + j 2s / (2^b - 1), s = max|x| of the block: the decoded value is the
+    level just below x or just above it (one step apart), never further."""
+    block, levels = 16, 2**bits - 1
+    x = _x(70, seed=bits) * 3  # 4 full blocks and a tail of 6
+    codec = make_codec("uniform", bits=bits, block=block)
+    for seed in range(5):
+        y = codec.decode(codec.encode(x, seed=seed)).double()
+        for xb, yb in zip(_blocks(x, block), _blocks(y, block), strict=True):
+            s = float(xb.abs().max())
+            step = 2 * s / levels
+            j = (yb + s) / step  # level index of each decoded value
+            assert torch.allclose(j, j.round(), atol=1e-4)
+            assert float((yb - xb).abs().max()) <= step * (1 + 1e-5)
+            assert float(yb.abs().max()) <= s * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("bits", [1, 3, 8])
+def test_dither_error_is_within_half_a_step(bits: int) -> None:
+    """Subtractive dither: decode = x + e with e uniform on [-step/2, step/2]."""
+    block, levels = 16, 2**bits - 1
+    x = _x(50, seed=bits)
+    codec = make_codec("dither", bits=bits, block=block)
+    for seed in range(5):
+        y = codec.decode(codec.encode(x, seed=seed)).double()
+        for xb, yb in zip(_blocks(x, block), _blocks(y, block), strict=True):
+            step = 2 * float(xb.abs().max()) / levels
+            assert float((yb - xb).abs().max()) <= step / 2 * (1 + 1e-4)
+
+
+@pytest.mark.parametrize("levels", [1, 4, 127])
+def test_qsgd_decodes_on_the_norm_grid_within_one_level(levels: int) -> None:
+    """|y_i| is a multiple of ||x_block|| / levels, with x_i's sign, one level from |x_i|."""
+    block = 16
+    x = _x(40, seed=levels)
+    codec = make_codec("qsgd", levels=levels, block=block)
+    for seed in range(5):
+        y = codec.decode(codec.encode(x, seed=seed)).double()
+        for xb, yb in zip(_blocks(x, block), _blocks(y, block), strict=True):
+            unit = float(xb.norm()) / levels
+            j = yb / unit
+            assert torch.allclose(j, j.round(), atol=1e-4)
+            assert float((yb - xb).abs().max()) <= unit * (1 + 1e-5)
+            assert bool(((yb == 0) | (torch.sign(yb) == torch.sign(xb))).all())
+
+
+def test_sign_decodes_to_the_sign_times_the_blocks_mean_magnitude() -> None:
+    block = 16
+    x = _x(40, seed=4)
+    codec = make_codec("sign", block=block)
+    y = codec.decode(codec.encode(x, seed=0)).double()
+    for xb, yb in zip(_blocks(x, block), _blocks(y, block), strict=True):
+        want = torch.where(xb < 0, -1.0, 1.0).double() * float(xb.abs().mean())
+        assert torch.allclose(yb, want, rtol=1e-6)
+
+
+def test_topk_keeps_the_k_largest_exactly_and_zeroes_the_rest() -> None:
+    x = _x(60, seed=5)
+    codec = make_codec("topk", k=9)
+    y = codec.decode(codec.encode(x, seed=0))
+    top = set(torch.topk(x.abs(), 9).indices.tolist())
+    assert set(torch.nonzero(y).flatten().tolist()) == top
+    assert all(y[i] == x[i] for i in top)
+
+
+def test_randk_scales_its_public_subset_by_numel_over_k() -> None:
+    from fedcomp.codecs.sparse import random_subset
+
+    x = _x(60, seed=6)
+    codec = make_codec("randk", k=12)
+    y = codec.decode(codec.encode(x, seed=77)).double()
+    subset = random_subset(77, 60, 12)
+    want = torch.zeros(60, dtype=torch.float64)
+    want[subset] = x.double()[subset] * (60 / 12)
+    assert torch.allclose(y, want, rtol=1e-6)
+
+
+SPECS = [
+    {"name": "uniform", "bits": 4, "block": 8},
+    {"name": "dither", "bits": 4, "block": 8},
+    {"name": "qsgd", "levels": 8, "block": 8},
+    {"name": "sign", "block": 8},
+    {"name": "topk", "k": 5},
+    {"name": "randk", "k": 5},
+]
+
+
+def _codec(spec: dict):
+    params = dict(spec)
+    return make_codec(params.pop("name"), **params)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s["name"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_decode_keeps_the_shape_and_dtype_of_the_input(spec: dict, dtype) -> None:
+    codec = _codec(spec)
+    x = _x(15, seed=2).reshape(3, 5).to(dtype)
+    y = codec.decode(codec.encode(x, seed=9))
+    assert y.shape == (3, 5) and y.dtype == dtype
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s["name"])
+def test_integer_tensors_are_refused_naming_codec_and_dtype(spec: dict) -> None:
+    codec = _codec(spec)
+    with pytest.raises(ValueError, match=f"^{codec.name} codec needs a floating-point tensor"):
+        codec.encode(torch.arange(10), seed=1)
+
+
+@pytest.mark.parametrize("spec", [s for s in SPECS if s["name"] in ("uniform", "dither", "qsgd",
+                                                                    "randk")],
+                         ids=lambda s: s["name"])  # fmt: skip
+def test_unbiased_codecs_average_to_the_input_on_a_small_tensor(spec: dict) -> None:
+    """The mean of n decodes has E||mean - x||^2 <= omega ||x||^2 / n (independent
+    draws of an unbiased codec): the seeded draws stay within 10 times that."""
+    codec = _codec(spec)
+    x = _x(8, seed=11)
+    draws = 500
+    total = torch.zeros(8, dtype=torch.float64)
+    for seed in range(draws):
+        total += codec.decode(codec.encode(x, seed=seed)).double()
+    mean = total / draws
+    x64 = x.double()
+    bound = codec.variance_factor(8) * float((x64**2).sum()) / draws
+    assert float(((mean - x64) ** 2).sum()) <= 10 * bound
+
+
+@pytest.mark.parametrize("name", ["topk", "randk"])
+def test_sparse_parameter_checks_name_the_codec(name: str) -> None:
+    codec = make_codec(name, k=3)
+    good = codec.encode(_x(10), seed=4)
+    header = bytes(good.header.pack())
+    with pytest.raises(PayloadError, match=f"^{name}: body too short for its parameters$"):
+        _decode(type(codec), header + b"\x00" * 7)
+    # k is bounded by the tensor size: numel accepted (above), numel + 1 refused
+    k_past = bytes(good)[: len(header)] + struct.pack("<Q", 11) + bytes(good.body)[8:]
+    with pytest.raises(PayloadError) as info:
+        _decode(type(codec), k_past)
+    assert str(info.value) == f"{name}: k=11 is outside 1..10"
+    ints = make_codec("raw").encode(torch.zeros(10, dtype=torch.int32), seed=0).header
+    from fedcomp.codecs.wire import PayloadHeader
+
+    int_header = PayloadHeader(codec.codec_id, ints.dtype, ints.shape).pack()
+    with pytest.raises(PayloadError, match=f"^{name}: payload declares a non-float dtype"):
+        _decode(type(codec), int_header + bytes(good.body))
