@@ -97,6 +97,7 @@ EXTRA_SCOPES: tuple[Scope, ...] = (
             "tests/test_codec_factors.py",
             "tests/test_bounds.py",
             "tests/test_codec_invariants.py",
+            "tests/test_hostile_server.py",
         ),
         summary="experiments/results/mutation_codecs.md",
         triage="experiments.mutation_triage_codecs",

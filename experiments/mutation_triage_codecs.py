@@ -37,6 +37,154 @@ TRIAGE: dict[str, tuple[str, str, str]] = {
     SP + "xǁTopKCodecǁdecode_payload__mutmut_54": ("zeros(n, )", E, ZEROS),
     SP + "xǁRandKCodecǁdecode_payload__mutmut_27": ("dtype=None", E, ZEROS),
     SP + "xǁRandKCodecǁdecode_payload__mutmut_29": ("zeros(n, )", E, ZEROS),
+    Q + "xǁSignCodecǁread_params__mutmut_13": (
+        "unpack_from(body, )",
+        E,
+        "unpack_from's offset defaults to 0",
+    ),
+    **{
+        Q + f"xǁSignCodecǁdecode_payload__mutmut_{i}": (
+            s,
+            E,
+            "unreachable: the body's whole length (packed bits included) was checked exactly just before, so this second check never fails",
+        )
+        for i, s in [(42, "packed_size(n, 1), None)"), (51, "XXsignXX"), (52, '"SIGN"')]
+    },
+    Q + "xǁSignCodecǁdecode_payload__mutmut_69": (
+        "reshape(-2)",
+        E,
+        "numpy infers a -2 dimension as it does -1: the same flat array",
+    ),
+    Q + "xǁSignCodecǁdecode_payload__mutmut_77": (
+        "_finish(signs, None,",
+        E,
+        "signs is already cut to n elements: [:None] keeps the same n",
+    ),
+    SP + "xǁTopKCodecǁencode__mutmut_1": (
+        "seed: int = 1",
+        N,
+        "the seed only draws the sample that sets select_topk's threshold: the kept set is the top k either way, and only which of several coordinates tied at the k-th magnitude is kept could change",
+    ),
+    SP + "xǁTopKCodecǁencode__mutmut_9": (
+        ".to(None)",
+        N,
+        "float16/bfloat16 magnitudes order as their float32 casts; only a float64 tensor whose k-th and next magnitudes round to one float32 could keep another index (updates are float32)",
+    ),
+    SP + "xǁTopKCodecǁencode__mutmut_28": (
+        "astype(None)",
+        E,
+        "indices below 2^53 are exact in float64: the same gaps and varints",
+    ),
+    **{
+        Q + f"xǁQSGDCodecǁ_norms_and_codes__mutmut_{i}": (
+            s,
+            E,
+            "norms holds float32 values then: the float64 norms are rounded to float32 on assignment rather than when sent, the same bytes (inv uses the float64 norm)",
+        )
+        for i, s in [(4, "dtype=None)"), (6, "self.block), )")]
+    },
+    Q + "xǁQSGDCodecǁ_norms_and_codes__mutmut_39": (
+        "clamp_(None, top)",
+        N,
+        "t = levels (1 + x/||x||) + 2^-17 is below 0 only when float32 rounding of x/||x|| exceeds 2^-17/levels, and it then floors to -1 for one dither draw in 2^16",
+    ),
+    **{
+        Q + f"xǁQSGDCodecǁ_norms_and_codes__mutmut_{i}": (
+            s,
+            N,
+            "t <= 2 levels + 2^-17, so t + u < 2 levels + 1 floors within range without the cap; the cap only moves t by under 2^-16 (the dither's resolution)",
+        )
+        for i, s in [(40, "clamp_(0, None)"), (42, "clamp_(0, )")]
+    },
+    **{
+        Q + f"xǁQSGDCodecǁ_norms_and_codes__mutmut_{i}": (
+            s,
+            E,
+            "float32 codes are truncated to uint8 when packed (pack_bits casts), the floor the uint8 copy takes for t >= 0",
+        )
+        for i, s in [(52, "dtype=None)"), (54, "chunk.numel(), )")]
+    },
+    **{
+        Q + f"xǁQSGDCodecǁ_norms_and_codes__mutmut_{i}": (
+            s,
+            E,
+            "dithered_floor does not use its high argument (the caller clamps t before)",
+        )
+        for i, s in [(57, "generator, None, codes"), (63, "2 / self.levels"), (64, "3 * self.levels")]
+    },
+    Q + "xǁSignCodecǁ__init____mutmut_1": (
+        "block: int = 1025",
+        N,
+        "a default block size (a tuning choice); the block travels in the payload and every configuration names its own",
+    ),
+    Q + "xǁSignCodecǁencode__mutmut_1": (
+        "seed: int = 1",
+        E,
+        "sign draws nothing: the seed is not read and the header's is 0",
+    ),
+    **{
+        B + f"x_decode_bytes__mutmut_{i}": (s, N, XX)
+        for i, s in [(11, "XXa onebit"), (13, "XX with fedcomp"), (14, "onebit.onebitcode"), (15, "WITH FEDCOMP")]
+    },
+    Q + "xǁDitheredUniformCodecǁdecode_payload__mutmut_30": (
+        "(n + 4) // 4",
+        E,
+        "one more raw word is drawn at most; draws[:n] is the same prefix of the same stream",
+    ),
+    Q + "xǁDitheredUniformCodecǁdecode_payload__mutmut_35": (
+        "astype(None)",
+        N,
+        "the dither correction in float64 instead of float32: a more exact value, rounding only",
+    ),
+    **{
+        Q + f"xǁDitheredUniformCodecǁdecode_payload__mutmut_{i}": (
+            s,
+            N,
+            "moves the decoded value by under 2^-16 of a step (the encoder's half-resolution offset): a bias no Monte-Carlo test resolves (it needs about 2^32 draws)",
+        )
+        for i, s in [(48, "0.5 + 2.0**-17"), (51, "3.0**-17"), (53, "2.0**-18")]
+    },
+    Q + "xǁDitheredUniformCodecǁdecode_payload__mutmut_55": (
+        "_finish(coarse + correction, None,",
+        E,
+        "the sum has exactly n elements already: [:None] keeps them",
+    ),
+    Q + "xǁQSGDCodecǁencode__mutmut_16": (
+        "3 * self.levels",
+        N,
+        "only the upper clamp moves (the offset 2^-17 does not depend on it), and t <= 2 levels + 2^-17 floors within range without it",
+    ),
+    Q + "xǁQSGDCodecǁencode__mutmut_19": (
+        "self.levels - offset",
+        N,
+        "a bias of 2^-16 of a level (the dither's half-resolution offset), below what a Monte-Carlo test resolves",
+    ),
+    Q + "xǁQSGDCodecǁencode__mutmut_29": (
+        "check_finite_scales(norms, None)",
+        M,
+        "the compiled path's NaN message (tensors of 2^16 coordinates or more) is tested only in tests/test_codecs_compiled.py (Numba compiles for about 10 s)",
+    ),
+    Q + "xǁQSGDCodecǁencode__mutmut_39": (
+        "norms >= 0",
+        M,
+        "an all-zero block on the compiled path (2^16 coordinates or more): only tests/test_codecs_compiled.py and the deselected large-tensor tests reach it",
+    ),
+    Q + "xǁQSGDCodecǁencode__mutmut_40": (
+        "norms > 1",
+        M,
+        "blocks of norm below 1 on the compiled path must still be coded (the mutant zeroes them): only out-of-scope or deselected tests encode 2^16+ coordinates",
+    ),
+    Q + "xǁQSGDCodecǁdecode_payload__mutmut_55": ("XXqsgd: code beyond", N, XX),
+    Q + "xǁQSGDCodecǁdecode_payload__mutmut_60": (
+        "codes.astype(None)",
+        N,
+        "the levels in float64 instead of float32 before scaling: a more exact value, rounding only",
+    ),
+    Q + "xǁQSGDCodecǁdecode_payload__mutmut_69": (
+        "_finish(values, None,",
+        E,
+        "values has exactly n elements already: [:None] keeps them",
+    ),
 }
 
 #: The summary's reading of the triage (printed under the counts).

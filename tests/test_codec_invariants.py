@@ -327,3 +327,124 @@ def test_sparse_parameter_checks_name_the_codec(name: str) -> None:
     int_header = PayloadHeader(codec.codec_id, ints.dtype, ints.shape).pack()
     with pytest.raises(PayloadError, match=f"^{name}: payload declares a non-float dtype"):
         _decode(type(codec), int_header + bytes(good.body))
+
+
+def test_sign_parameter_checks_name_the_codec_and_bound_the_block() -> None:
+    codec = make_codec("sign", block=4)
+    good = codec.encode(_x(10), seed=0)
+    header = bytes(good.header.pack())
+    sign = type(codec)
+    with pytest.raises(PayloadError, match=r"^sign: body too short for its parameters$"):
+        _decode(sign, header + b"\x00" * 3)
+    with pytest.raises(PayloadError) as info:
+        _decode(sign, header + struct.pack("<I", 0) + bytes(good.body)[4:])
+    assert str(info.value) == f"sign: block=0 is outside 1..{2**31}"
+    from fedcomp.codecs.wire import PayloadHeader
+
+    int_header = PayloadHeader(codec.codec_id, torch.int32, (10,)).pack()
+    with pytest.raises(PayloadError, match=r"^sign: payload declares a non-float dtype"):
+        _decode(sign, int_header + bytes(good.body))
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s["name"])
+def test_a_non_finite_update_is_refused_at_encode_naming_the_codec(spec: dict) -> None:
+    codec = _codec(spec)
+    x = _x(20)
+    x[3] = math.nan
+    with pytest.raises(ValueError, match=f"^{codec.name}: the update holds NaN or Inf values$"):
+        codec.encode(x, seed=1)
+
+
+def test_a_spec_mismatch_names_what_field_value_and_expected() -> None:
+    from fedcomp.codecs.wire import SpecMismatch, check_field
+
+    check_field("w", "bits", 4, 4)
+    with pytest.raises(SpecMismatch) as info:
+        check_field("w (uniform)", "bits", 2, 4)
+    assert str(info.value) == "w (uniform): bits is 2, the server asked for 4"
+    assert (info.value.field, info.value.value, info.value.expected) == ("bits", 2, 4)
+    # through a codec's own check of a received payload
+    two_bits = make_codec("uniform", bits=2).encode(_x(9), seed=0)
+    with pytest.raises(SpecMismatch) as info:
+        make_codec("uniform", bits=4).check_payload(two_bits)
+    assert (info.value.field, info.value.value, info.value.expected) == ("bits", 2, 4)
+    with pytest.raises(SpecMismatch) as info:
+        make_codec("uniform").check_payload(make_codec("qsgd").encode(_x(9), seed=0))
+    assert (info.value.field, info.value.value, info.value.expected) == ("codec id", 5, 4)
+
+
+def test_topk_on_the_sampled_path_keeps_the_exact_top_k() -> None:
+    """Above 4 x SAMPLE coordinates top-k first thresholds a seeded sample: the kept
+    set is still exactly the k largest magnitudes (distinct here), for any seed."""
+    from fedcomp.codecs.sparse_quantized import SAMPLE
+
+    n, k = 4 * SAMPLE + 1000, 50
+    x = _x(n, seed=8)
+    top = set(torch.topk(x.abs(), k).indices.tolist())
+    codec = make_codec("topk", k=k)
+    for seed in (0, 1, 2**40):
+        y = codec.decode(codec.encode(x, seed=seed))
+        assert set(torch.nonzero(y).flatten().tolist()) == top
+
+
+@pytest.mark.parametrize("spec", SPECS[:4], ids=lambda s: s["name"])
+def test_an_all_zero_block_decodes_to_zeros_next_to_a_nonzero_one(spec: dict) -> None:
+    codec = _codec(spec)  # block 8: the first block is zero, the second is not
+    x = torch.cat([torch.zeros(8), _x(8, seed=12)])
+    for seed in range(5):
+        y = codec.decode(codec.encode(x, seed=seed))
+        assert torch.equal(y[:8], torch.zeros(8))
+
+
+def test_sign_scales_are_the_mean_magnitude_of_a_half_precision_input() -> None:
+    """The block's mean |x| is computed in float32 whatever the input's dtype (a float16
+    sum of 64 terms would be off by about 2^-11 relative)."""
+    x = (_x(64, seed=13) * 100).to(torch.float16)
+    codec = make_codec("sign", block=64)
+    payload = codec.encode(x, seed=0)
+    scale = np.frombuffer(bytes(payload.body)[4:8], "<f4")[0]
+    want = float(x.double().abs().mean())
+    assert scale == pytest.approx(want, rel=2**-20)
+
+
+@pytest.mark.parametrize("name", ["qsgd", "uniform"])
+def test_the_torch_path_over_several_chunks_with_a_padded_block(monkeypatch, name) -> None:
+    """Without Numba (the compiled encoders are optional) a tensor of several chunks
+    with a last, partial block still decodes within one step of x."""
+    from fedcomp.codecs import quantize_compiled
+    from fedcomp.codecs.blocks import CHUNK
+
+    monkeypatch.setattr(quantize_compiled, "available", lambda numel: False)
+    block, n = 1000, 2 * CHUNK + 1500
+    x = _x(n, seed=14)
+    codec = make_codec(name, **({"levels": 4} if name == "qsgd" else {"bits": 2}), block=block)
+    y = codec.decode(codec.encode(x, seed=3)).double()
+    starts = torch.arange(0, n, block)
+    for first in (0, int(starts[len(starts) // 2]), int(starts[-1])):
+        xb, yb = x[first : first + block].double(), y[first : first + block]
+        unit = float(xb.norm()) / 4 if name == "qsgd" else 2 * float(xb.abs().max()) / 3
+        assert float((yb - xb).abs().max()) <= unit * (1 + 1e-5)
+
+
+@pytest.mark.parametrize(
+    ("name", "field", "high"),
+    [("uniform", "bits", 8), ("dither", "bits", 8), ("qsgd", "levels", 127)],
+)
+def test_quantizer_parameters_out_of_range_are_refused_naming_codec_and_field(
+    name: str, field: str, high: int
+) -> None:
+    codec = make_codec(name, block=8)
+    good = codec.encode(_x(10), seed=0)
+    header = bytes(good.header.pack())
+    for bad in (0, high + 1):
+        body = struct.pack("<BBI", bad, 0, 8) + bytes(good.body)[6:]
+        with pytest.raises(PayloadError) as info:
+            _decode(type(codec), header + body)
+        assert str(info.value) == f"{name}: {field}={bad} is outside 1..{high}"
+
+
+def test_qsgd_norms_of_a_half_precision_input_are_computed_in_float32() -> None:
+    x = (_x(64, seed=15) * 100).to(torch.float16)
+    payload = make_codec("qsgd", levels=4, block=64).encode(x, seed=0)
+    norm = np.frombuffer(bytes(payload.body)[6:10], "<f4")[0]
+    assert norm == pytest.approx(float(x.double().norm()), rel=2**-20)
