@@ -139,7 +139,7 @@ EXTRA_SCOPES: tuple[Scope, ...] = (
     Scope(
         name="downlink",
         files=("fedcomp/downlink.py",),
-        tests=("tests/test_downlink.py",),
+        tests=("tests/test_downlink.py", "tests/test_hostile_server.py"),
         summary="experiments/results/mutation_downlink.md",
         triage="experiments.mutation_triage_downlink",
         deselect=(

@@ -12,6 +12,7 @@ sparse, wire), on small tensors so that each case takes milliseconds.
 from __future__ import annotations
 
 import math
+import re
 import struct
 
 import numpy as np
@@ -448,3 +449,104 @@ def test_qsgd_norms_of_a_half_precision_input_are_computed_in_float32() -> None:
     payload = make_codec("qsgd", levels=4, block=64).encode(x, seed=0)
     norm = np.frombuffer(bytes(payload.body)[6:10], "<f4")[0]
     assert norm == pytest.approx(float(x.double().norm()), rel=2**-20)
+
+
+def test_the_header_bounds_accept_their_exact_size_and_refuse_one_byte_less() -> None:
+    from fedcomp.codecs.wire import HEADER_FIXED_BYTES, PayloadHeader, parse_payload
+
+    scalar = PayloadHeader(codec_id=0, dtype=torch.float32, shape=()).pack()
+    assert len(scalar) == HEADER_FIXED_BYTES == 16
+    parsed = parse_payload(scalar)  # the fixed header alone: a 0-d tensor, empty body
+    assert parsed.header.shape == () and len(parsed.body) == 0
+    with pytest.raises(PayloadError, match=r"^truncated payload: 15 bytes, header needs 16$"):
+        parse_payload(scalar[:15])
+    matrix = PayloadHeader(codec_id=0, dtype=torch.float32, shape=(2, 3)).pack()
+    assert parse_payload(matrix).header.shape == (2, 3)
+    with pytest.raises(PayloadError, match=r"^truncated payload: shape needs 24 bytes, got 23$"):
+        parse_payload(matrix[:23])
+
+
+def test_packing_a_header_bounds_its_dimensions_and_each_size() -> None:
+    from fedcomp.codecs.wire import PayloadHeader, parse_payload
+
+    eight = PayloadHeader(0, torch.float32, (1,) * 8).pack()
+    assert parse_payload(eight, max_numel=1).header.shape == (1,) * 8
+    with pytest.raises(ValueError, match=r"^tensors of more than 8 dimensions are not supported$"):
+        PayloadHeader(0, torch.float32, (1,) * 9).pack()
+    top = 2**32 - 1
+    wide = PayloadHeader(0, torch.float32, (top, 0)).pack()
+    assert parse_payload(wide).header.shape == (top, 0)
+    with pytest.raises(ValueError, match=r"^shape \(4294967296, 0\) does not fit the wire format$"):
+        PayloadHeader(0, torch.float32, (2**32, 0)).pack()
+
+
+@pytest.mark.parametrize(
+    ("name", "field", "good"), [("uniform", "bits", 8), ("qsgd", "levels", 127)]
+)
+def test_quantizer_sizes_must_be_true_integers_in_range(name: str, field: str, good: int) -> None:
+    assert getattr(make_codec(name, **{field: good}), field) == good
+    for bad in (True, 4.0, "4", 0, good + 1):
+        want = rf"^{name}: {field} must be an integer in 1\.\.{good}, got {re.escape(repr(bad))}$"
+        with pytest.raises(ValueError, match=want):
+            make_codec(name, **{field: bad})
+
+
+@pytest.mark.parametrize("name", ["uniform", "dither", "qsgd"])
+def test_the_body_starts_with_the_parameters_and_a_zero_byte(name: str) -> None:
+    """Layout ``u8 bits|levels, u8 0, u32 block``: the second byte is reserved, zero."""
+    codec = make_codec(name, block=8)
+    body = bytes(codec.encode(_x(20), seed=1).body)
+    first = codec.levels if name == "qsgd" else codec.bits
+    assert struct.unpack_from("<BBI", body) == (first, 0, 8)
+
+
+def test_an_unknown_codec_name_is_refused_listing_the_known_ones() -> None:
+    from fedcomp.codecs.base import codec_names
+
+    with pytest.raises(ValueError) as info:
+        codec_class("nope")
+    assert str(info.value) == f"unknown codec 'nope'; known codecs: {', '.join(codec_names())}"
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s["name"])
+def test_the_header_carries_the_seed_only_for_codecs_whose_draws_the_server_repeats(spec) -> None:
+    codec = _codec(spec)
+    payload = codec.encode(_x(20), seed=12345)
+    assert payload.header.seed == (12345 if codec.needs_seed else 0)
+    assert codec.needs_seed == (codec.name in ("dither", "randk"))
+
+
+@pytest.mark.parametrize("name", ["uniform", "qsgd"])
+def test_quantizer_body_checks_name_the_codec(name: str) -> None:
+    from fedcomp.codecs.wire import PayloadHeader
+
+    codec = make_codec(name, block=8)
+    good = codec.encode(_x(10), seed=0)
+    header, body = bytes(good.header.pack()), bytes(good.body)
+    with pytest.raises(PayloadError, match=rf"^{name}: body too short for its parameters$"):
+        _decode(type(codec), header + body[:5])
+    int_header = PayloadHeader(codec.codec_id, torch.int32, (10,)).pack()
+    with pytest.raises(PayloadError, match=rf"^{name}: payload declares a non-float dtype"):
+        _decode(type(codec), int_header + body)
+    with pytest.raises(PayloadError) as info:
+        _decode(type(codec), header + body[:2] + struct.pack("<I", 0) + body[6:])
+    assert str(info.value) == f"{name}: block=0 is outside 1..{2**31}"
+
+
+@pytest.mark.parametrize("name", ["uniform", "dither", "qsgd", "sign"])
+def test_a_block_of_one_coordinate_is_accepted(name: str) -> None:
+    codec = make_codec(name, block=1)
+    x = _x(5, seed=16)
+    y = codec.decode(codec.encode(x, seed=2))
+    assert y.shape == (5,)
+    if name == "sign":  # one coordinate per block: its own magnitude, exactly
+        assert torch.allclose(y, x, rtol=1e-6)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s["name"])
+def test_a_half_precision_tensor_encodes_as_its_float32_values(spec: dict) -> None:
+    """The codecs compute in float32 whatever the input's dtype: the body of a float16
+    tensor equals that of its float32 cast (only the header's dtype differs)."""
+    codec = _codec(spec)
+    x = (_x(40, seed=17) * 30).to(torch.float16)
+    assert bytes(codec.encode(x, seed=6).body) == bytes(codec.encode(x.float(), seed=6).body)
