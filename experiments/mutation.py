@@ -270,6 +270,7 @@ def header_lines(scope: Scope, status: dict[str, str], run: dict, triage_path: s
             if "rerun" in run
             else []
         ),
+        *([f"- note: {run['note']}"] if run.get("note") else []),
         f"- mutants: {len(status)}; killed {counts['killed']}, timeout {counts['timeout']}, "
         f"survived {counts['survived']}, no covering test {counts['no tests']}, "
         f"suspicious {counts['suspicious']}, other {other}",
