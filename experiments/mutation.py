@@ -217,7 +217,12 @@ def rerun_survivors(scope: Scope, max_children: int) -> None:
     (work / "mutants" / "merged-outcomes.json").write_text(
         json.dumps({**before, **{n: after[n] for n in survivors}})
     )
-    rerun = {"wall_seconds": round(wall, 1), "mutants": len(survivors)}
+    earlier = first.get("rerun", {"wall_seconds": 0.0, "runs": 0})
+    rerun = {
+        "wall_seconds": round(earlier["wall_seconds"] + wall, 1),
+        "mutants": len(survivors),
+        "runs": earlier.get("runs", 1) + 1,
+    }
     (work / "mutants" / "run.json").write_text(
         json.dumps({**first, "tests": previous_tests, "rerun": rerun})
     )
@@ -262,8 +267,10 @@ def header_lines(scope: Scope, status: dict[str, str], run: dict, triage_path: s
         f"- wall time: {run['wall_seconds'] / 60:.1f} min (stats collection and all mutants)",
         *(
             [
-                f"- re-run: the {run['rerun']['mutants']} survivors of that run, against "
-                f"the tests above, in {run['rerun']['wall_seconds'] / 60:.1f} min; the first "
+                f"- re-run: the survivors of that run against the tests above, "
+                f"{run['rerun'].get('runs', 1)} time(s) as tests were added (the last with "
+                f"{run['rerun']['mutants']} survivors), in "
+                f"{run['rerun']['wall_seconds'] / 60:.1f} min in all; the first "
                 f"run's tests were `{shlex.join(run['tests'])}` (the other mutants keep its "
                 "outcome: tests were only added)"
             ]
@@ -348,15 +355,16 @@ def summarise(scope: Scope, out: Path) -> Outcome:
     )
 
 
-def write_index(results: list[Outcome], out: Path) -> None:
-    """The all-scopes table: each scope's counts and wall time, and the total."""
+def write_index(results: list[Outcome], missing: list[str], out: Path) -> None:
+    """The all-scopes table: each scope's counts and wall time, the total, and the
+    scopes without a run (``--no-run`` only)."""
     total = sum(r.wall for r in results)
     lines = [
         "# Mutation testing, every scope (`make mutation`)",
         "",
-        f"mutmut {version('mutmut')}, scopes run one after another; total wall time "
-        f"{total / 60:.1f} min (each scope's stats collection and mutants, and the re-run "
-        "of its survivors where there was one).",
+        f"mutmut {version('mutmut')}, scopes run one after another, 2 workers; total wall "
+        f"time of the {len(results)} scopes run: {total / 60:.1f} min (each scope's stats "
+        "collection and mutants, and the re-run of its survivors where there was one).",
         "",
         "| scope | files | mutants | survived | score | wall (min) | summary |",
         "|---|---|---|---|---|---|---|",
@@ -366,6 +374,7 @@ def write_index(results: list[Outcome], out: Path) -> None:
             f"| [{Path(r.scope.summary).name}]({Path(r.scope.summary).name}) |"
             for r in results
         ),
+        *(f"| {name} | (not run yet) | | | | | |" for name in missing),
         "",
     ]
     out.write_text("\n".join(lines))
@@ -392,15 +401,19 @@ def main() -> int:
     if args.out and len(chosen) > 1:
         parser.error("--out names one summary: give --scope too")
     results = []
+    results, missing = [], []
     for scope in chosen:
         if args.rerun_survivors:
             rerun_survivors(scope, args.max_children)
         elif not args.no_run:
             run_mutmut(prepare_workdir(scope), args.max_children)
+        elif not (scope.workdir() / "mutants" / "run.json").exists():
+            missing.append(scope.name)  # --no-run: this scope has no run to summarise
+            continue
         results.append(summarise(scope, PROJECT_ROOT / (args.out or scope.summary)))
     if args.scope == "all":
-        write_index(results, PROJECT_ROOT / "experiments/results/mutation_all.md")
-    return 1 if any(r.problems for r in results) else 0
+        write_index(results, missing, PROJECT_ROOT / "experiments/results/mutation_all.md")
+    return 1 if missing or any(r.problems for r in results) else 0
 
 
 if __name__ == "__main__":

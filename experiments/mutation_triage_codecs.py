@@ -297,6 +297,61 @@ TRIAGE: dict[str, tuple[str, str, str]] = {
         N,
         "t <= levels + 2^-17, so t + u < levels + 1 floors within range without the cap; the cap only moves t by under 2^-16 (the dither's resolution)",
     ),
+    B + "x_decode_inner__mutmut_9": (
+        "PayloadError(None)",
+        M,
+        "the refusal of an unknown inner codec id must name the stage and the id; no scoped test sends one",
+    ),
+    **{
+        Q + f"xǁ{c}ǁ{f}__mutmut_{i}": (
+            s,
+            N,
+            "an all-zero block's codes come from 0 x inf = NaN (0 as uint8 here) and decode to 0 all the same, since the block's scale is 0: only the code bytes can differ",
+        )
+        for c, f, i, s in [("QSGDCodec", "_norms_and_codes", 34, "norm >= 0"), ("UniformCodec", "encode", 43, "scales >= 0")]
+    },
+    Q + "xǁUniformCodecǁ_dithered_codes__mutmut_35": (
+        "t.clamp_(None, top)",
+        N,
+        "t = levels/2 + x levels/(2s) + 2^-17 is below 0 only when float32 rounding of x/s exceeds 2^-17/levels, and it then floors to -1 for one dither draw in 2^16",
+    ),
+    **{
+        Q + f"xǁUniformCodecǁ_dithered_codes__mutmut_{i}": (
+            s,
+            N,
+            "t <= levels + 2^-17, so t + u < levels + 1 floors within range without the cap; the cap only moves t by under 2^-16 (the dither's resolution)",
+        )
+        for i, s in [(36, "t.clamp_(0, None)"), (38, "t.clamp_(0, )")]
+    },
+    Q + "xǁUniformCodecǁ_dithered_codes__mutmut_44": (
+        "generator, None, codes",
+        E,
+        "dithered_floor does not use its high argument (the caller clamps t before)",
+    ),
+    Q + "xǁUniformCodecǁencode__mutmut_11": (
+        ".to(None).contiguous()",
+        M,
+        "a half-precision input must be quantized as its float32 values: with the mutant inv = levels / 2s is rounded to float16, which changed no code of the test's 40 values",
+    ),
+    Q + "xǁUniformCodecǁencode__mutmut_20": ("self.block), None" if False else "flat.numpy(), None)", M, COMPILED),
+    SP + "x__values_bytes__mutmut_2": (
+        "values.to(None)",
+        E,
+        "astype('<f4') rounds to the same float32 values as torch's cast (both to nearest)",
+    ),
+    **{
+        SP + f"x_random_subset__mutmut_{i}": (
+            s,
+            E,
+            "None is falsy like False; and shuffling only permutes the chosen set, which is sorted right after",
+        )
+        for i, s in [(12, "replace=None"), (13, "shuffle=None"), (17, "replace=False, )"), (19, "shuffle=True")]
+    },
+    SP + "xǁRandKCodecǁencode__mutmut_8": (
+        ".to(None)",
+        E,
+        "the values of a half-precision tensor are exact in float32 and cast when packed; the subset does not depend on the dtype",
+    ),
 }
 
 #: The summary's reading of the triage (printed under the counts).

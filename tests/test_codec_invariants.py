@@ -550,3 +550,28 @@ def test_a_half_precision_tensor_encodes_as_its_float32_values(spec: dict) -> No
     codec = _codec(spec)
     x = (_x(40, seed=17) * 30).to(torch.float16)
     assert bytes(codec.encode(x, seed=6).body) == bytes(codec.encode(x.float(), seed=6).body)
+
+
+@pytest.mark.parametrize("name", ["topk", "randk"])
+def test_sparsifier_sizes_are_refused_outside_their_ranges_naming_the_codec(name: str) -> None:
+    assert make_codec(name, fraction=1.0).fraction == 1.0 and make_codec(name, k=1).k == 1
+    bad = [
+        ({"fraction": 0.0}, "fraction must be in (0, 1], got 0.0"),
+        ({"fraction": 1.5}, "fraction must be in (0, 1], got 1.5"),
+        ({"fraction": "0.5"}, "fraction must be in (0, 1], got '0.5'"),
+        ({"k": 0}, "k must be a positive integer, got 0"),
+        ({"k": True}, "k must be a positive integer, got True"),
+        ({"k": 2.5}, "k must be a positive integer, got 2.5"),
+        ({"k": 3, "fraction": 0.5}, "give exactly one of fraction and k"),
+    ]
+    for params, message in bad:
+        with pytest.raises(ValueError, match=f"^{re.escape(f'{name}: {message}')}$"):
+            make_codec(name, **params)
+
+
+def test_random_subset_refuses_more_indices_than_there_are() -> None:
+    from fedcomp.codecs.sparse import random_subset
+
+    assert random_subset(1, 5, 5).tolist() == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match=r"^cannot pick 6 of 5 indices$"):
+        random_subset(1, 5, 6)
