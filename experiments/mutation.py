@@ -374,7 +374,7 @@ def write_index(results: list[Outcome], missing: list[str], out: Path) -> None:
             f"| [{Path(r.scope.summary).name}]({Path(r.scope.summary).name}) |"
             for r in results
         ),
-        *(f"| {name} | (not run yet) | | | | | |" for name in missing),
+        *(f"| {name} | (no run in mutants/ to summarise) | | | | | |" for name in missing),
         "",
     ]
     out.write_text("\n".join(lines))

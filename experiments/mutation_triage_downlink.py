@@ -12,4 +12,7 @@ E, M, N = "equivalent", "missing invariant", "not worth it"
 TRIAGE: dict[str, tuple[str, str, str]] = {}
 
 #: The summary's reading of the triage (printed under the counts).
-NOTES = ""
+NOTES = (
+    "No run has been triaged yet: the scope (files, measured tests, deselections) is "
+    "defined in experiments/mutation_scopes.py; its first run and triage are owed."
+)
