@@ -398,7 +398,9 @@ def main() -> int:
         chosen = select(args.scope)
     except ValueError as err:
         parser.error(str(err))
-    if args.out and len(chosen) > 1:
+    if args.out and args.scope == "all":
+        chosen = select("core")  # the one-scope command of before the scopes: core
+    elif args.out and len(chosen) > 1:
         parser.error("--out names one summary: give --scope too")
     results = []
     results, missing = [], []
@@ -411,7 +413,7 @@ def main() -> int:
             missing.append(scope.name)  # --no-run: this scope has no run to summarise
             continue
         results.append(summarise(scope, PROJECT_ROOT / (args.out or scope.summary)))
-    if args.scope == "all":
+    if len(chosen) > 1:
         write_index(results, missing, PROJECT_ROOT / "experiments/results/mutation_all.md")
     return 1 if missing or any(r.problems for r in results) else 0
 
