@@ -415,6 +415,8 @@ def main() -> int:
         results.append(summarise(scope, PROJECT_ROOT / (args.out or scope.summary)))
     if len(chosen) > 1:
         write_index(results, missing, PROJECT_ROOT / "experiments/results/mutation_all.md")
+    if missing:
+        print(f"no run in mutants/ to summarise for: {', '.join(missing)}", file=sys.stderr)
     return 1 if missing or any(r.problems for r in results) else 0
 
 
