@@ -96,11 +96,13 @@ fuzz: $(STAMP)
 mutants: $(STAMP)
 	$(PY) -m experiments.mutants --out experiments/results/mutants.md
 
-## mutation: mutmut over the protocol cores with their fast tests, survivors triaged
-## (scope in pyproject.toml [tool.mutmut]; works in ./mutants, git-ignored)
+## mutation: mutmut over the protocol cores with their fast tests, survivors triaged;
+## SCOPE=all (default: each in turn) or one of core, codecs, validation, downlink, trees,
+## onebit (experiments/mutation_scopes.py; core is pyproject.toml's [tool.mutmut]); each
+## scope works in mutants/<scope>/ (git-ignored) and writes experiments/results/mutation*.md
+SCOPE ?= all
 mutation: $(STAMP)
-	rm -rf mutants
-	$(PY) -m experiments.mutation --out experiments/results/mutation.md
+	$(PY) -m experiments.mutation --scope $(SCOPE) --max-children 2
 
 ## wheel: the installable package (fedcomp only; this repository's apps are not shipped)
 wheel: $(STAMP)
