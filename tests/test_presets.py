@@ -26,17 +26,15 @@ PRESETS = sorted(p.stem for p in (Path(CONF_DIR) / "experiment").glob("*.yaml"))
 NEW_PRESETS = [p for p in PRESETS if "femnist" in p or "cifar10" in p]
 
 
-def each_value_once(name: str) -> list[Settings]:
-    """One run per swept value (the others at their first value): every group option
-    and value of the sweep composes, without composing the whole product."""
-    axes = [[f"{k}={v}" for v in values] for k, values in sweep_axes(name)[0].items()]
-    firsts = [axis[0] for axis in axes]
-    combos = [
-        tuple(value if j == i else firsts[j] for j in range(len(axes)))
-        for i, axis in enumerate(axes)
-        for value in axis
-    ]
-    return compose_runs(name, [], combos)
+def covering_combos(axes: dict[str, list[str]]) -> list[tuple[str, ...]]:
+    """Overrides of runs of the sweep in which every swept value of every key occurs at
+    least once: run i takes value ``i mod len(values)`` of each key, so
+    ``max(len(values))`` runs compose every group option and value of the sweep, each
+    next to non-first values of the other keys, without composing the whole product
+    (each Hydra composition costs about a quarter of a second here)."""
+    columns = [[f"{k}={v}" for v in values] for k, values in axes.items()]
+    width = max(len(column) for column in columns)
+    return [tuple(column[i % len(column)] for column in columns) for i in range(width)]
 
 
 def test_presets_name_the_experiments_and_validate() -> None:
@@ -64,8 +62,14 @@ def test_presets_name_the_experiments_and_validate() -> None:
     }
     swept: dict[str, list[Settings]] = {}
     for name, count in expected_runs.items():
-        assert math.prod(len(axis) for axis in sweep_axes(name)[0].values()) == count, name
-        swept[name] = each_value_once(name)
+        axes, _ = sweep_axes(name)
+        assert math.prod(len(axis) for axis in axes.values()) == count, name
+        combos = covering_combos(axes)
+        assert {o for combo in combos for o in combo} == {
+            f"{k}={v}" for k, values in axes.items() for v in values
+        }, name
+        assert len(combos) == max(len(values) for values in axes.values()), name
+        swept[name] = compose_runs(name, [], combos)
         for s in swept[name]:
             validate(s)
             if "cross_device" in name:
@@ -76,6 +80,7 @@ def test_presets_name_the_experiments_and_validate() -> None:
     assert {s.codec["name"] for s in residual} == {"fp32", "uniform", "residual"}
     assert {s.codec.get("bits") for s in residual} == {None, 8, 4, 2}
     assert {s.num_clients for s in residual} == {16}
+    assert {s.seed for s in residual} == {0, 1, 2, 3, 4}
     assert {s.partition.name for s in residual} == {"natural"}
     assert {s.model.name for s in residual} == {"cnn"}
     assert {s.model.hidden[2] for s in residual} == {2048}  # the LEAF CNN
@@ -302,8 +307,9 @@ def test_onebit_cifar10_smoke_runs_two_rounds_with_the_exact_mean_measured(
 ) -> None:
     """Preset (2): heavy-tailed updates, equal ~1 bit per coordinate; every round records
     the aggregate's error against the clients' exact mean (fp32: rounding only)."""
-    full = preset_settings("onebit_cifar10", "diagnostics_dir=")
-    assert len(full) == 5 * 2 * 3
+    axes, _ = sweep_axes("onebit_cifar10")
+    assert math.prod(len(values) for values in axes.values()) == 5 * 2 * 3
+    full = compose_runs("onebit_cifar10", ["diagnostics_dir="], covering_combos(axes))
     assert {s.codec["name"] for s in full} == {"fp32", "dither", "sign", "qsgd", "onebit"}
     runs = preset_settings(
         "onebit_cifar10_smoke",
