@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
-import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,39 +21,28 @@ from fedcomp.codecs.wire import HEADER_FIXED_BYTES
 from fedcomp.models import build_model
 from fedcomp.results import load_results
 from fedcomp.settings import Settings, settings_from_dict
+from tests.ray_processes import await_no_new_ray_processes, ray_processes
 
 pytestmark = pytest.mark.simulation
 
 SMALL = {"num_clients": 3, "num_rounds": 2, "seed": 3}
 
 
-def _ray_processes() -> list[str]:
-    """Ray processes this test session started: descendants of this process, or any
-    process naming this session's Ray temp dir (other runs on the machine do not count)."""
-    out = subprocess.run(
-        ["ps", "-eo", "pid=,ppid=,args="], capture_output=True, text=True, check=True
-    )
-    rows = [line.split(None, 2) for line in out.stdout.splitlines() if line.strip()]
-    parent = {int(r[0]): int(r[1]) for r in rows}
-
-    def ours(pid: int) -> bool:
-        while pid > 1:
-            pid = parent.get(pid, 1)
-            if pid == os.getpid():
-                return True
-        return False
-
-    ray_dir = os.environ.get("RAY_TMPDIR", "\0")
-    tags = ("raylet", "gcs_server", "ray::", "default_worker.py")
-    return [
-        r[2]
-        for r in rows
-        if len(r) == 3 and any(tag in r[2] for tag in tags) and (ours(int(r[0])) or ray_dir in r[2])
-    ]
+@pytest.fixture(scope="module", autouse=True)
+def ray_before() -> Iterator[set[int]]:
+    """The session's Ray processes before this module starts Ray (another module's may
+    still be exiting: not this module's to check); after the module, every Ray process
+    it started must be gone."""
+    before = set(ray_processes())
+    yield before
+    left = await_no_new_ray_processes(before)
+    assert left == [], f"Ray processes of test_simulation alive 120 s after it: {left}"
 
 
 @pytest.fixture(scope="module")
-def first_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Settings, dict, Path]:
+def first_run(
+    tmp_path_factory: pytest.TempPathFactory, ray_before: set[int]
+) -> tuple[Settings, dict, Path]:
     path = tmp_path_factory.mktemp("sim") / "results.json"
     settings = settings_from_dict({**SMALL, "results_path": str(path)})
     return settings, simulate(settings), path
@@ -82,13 +70,11 @@ def test_simulation_learns_writes_results_and_counts_real_bytes(first_run) -> No
     assert summary["ratio_vs_fp32_codec"] == 1.0
 
 
-def test_no_ray_process_is_left_behind(first_run) -> None:
-    # Ray's processes exit on their own after shutdown: await that, with a generous
-    # bound (a leaked raylet or worker lives on indefinitely).
-    deadline = time.monotonic() + 120
-    while _ray_processes() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert _ray_processes() == [], "Ray processes still alive 120 s after the run"
+def test_no_ray_process_is_left_behind(first_run, ray_before) -> None:
+    # Only processes that were not alive before this module started Ray: another
+    # module's leftovers are that module's to check.
+    left = await_no_new_ray_processes(ray_before)
+    assert left == [], "Ray processes still alive 120 s after the run"
 
 
 def test_same_seed_gives_the_same_per_round_metrics(first_run) -> None:
