@@ -77,9 +77,42 @@ def test_no_ray_process_is_left_behind(first_run, ray_before) -> None:
     assert left == [], "Ray processes still alive 120 s after the run"
 
 
-def test_same_seed_gives_the_same_per_round_metrics(first_run) -> None:
+@pytest.fixture(scope="module")
+def multirun(tmp_path_factory: pytest.TempPathFactory, ray_before: set[int]) -> Path:
+    """``python -m experiments.run -m``: two jobs in one process (Ray starts and stops
+    twice there); the second has first_run's settings (seed 3, 3 clients, 2 rounds)."""
+    sweep = tmp_path_factory.mktemp("multirun") / "sweep"
+    cmd = [
+        sys.executable,
+        "-m",
+        "experiments.run",
+        "-m",
+        f"seed=4,{SMALL['seed']}",
+        "partition.alpha=0.3",
+        f"num_rounds={SMALL['num_rounds']}",
+        f"num_clients={SMALL['num_clients']}",
+        f"hydra.sweep.dir={sweep}",
+    ]
+    subprocess.run(cmd, cwd=PROJECT_ROOT, check=True, capture_output=True, timeout=600)
+    return sweep
+
+
+def test_same_seed_gives_the_same_per_round_metrics(first_run, multirun) -> None:
+    """first_run (simulate, in this process) and the multirun's job with the same
+    settings (composed by Hydra, in another process, after a first job there)."""
     _settings, results, _ = first_run
-    again = simulate(settings_from_dict({**SMALL}))
+    runs = [load_results(f) for f in multirun.rglob("results.json")]
+    (again,) = [r for r in runs if r["config"]["seed"] == SMALL["seed"]]
+    # the same settings, whichever way they were given, but for where files go
+    # (experiments.run puts them in the job's directory; with client_state=memory the
+    # clients' state directory holds only copies, for a resumed run)
+    differ = {
+        k
+        for k in results["config"].keys() | again["config"].keys()
+        if results["config"].get(k) != again["config"].get(k)
+    }
+    assert differ <= {"results_path", "client_state_dir"}, differ
+    assert again["config"]["client_state"] == "memory"
     keys = (
         "accuracy",
         "loss",
@@ -94,28 +127,13 @@ def test_same_seed_gives_the_same_per_round_metrics(first_run) -> None:
         assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
 
 
-def test_multirun_writes_one_valid_results_file_per_run_and_report_matches(
-    tmp_path: Path,
-) -> None:
-    sweep = tmp_path / "sweep"
-    cmd = [
-        sys.executable,
-        "-m",
-        "experiments.run",
-        "-m",
-        "seed=0,1",  # two runs: Ray starts and stops twice in one process
-        "partition.alpha=0.3",
-        "num_rounds=1",
-        "num_clients=3",
-        f"hydra.sweep.dir={sweep}",
-    ]
-    subprocess.run(cmd, cwd=PROJECT_ROOT, check=True, capture_output=True, timeout=600)
-    files = sorted(sweep.rglob("results.json"))
+def test_multirun_writes_one_valid_results_file_per_run_and_report_matches(multirun) -> None:
+    files = sorted(multirun.rglob("results.json"))
     assert len(files) == 2
     runs = [load_results(f) for f in files]
     assert sorted((r["config"]["seed"], r["config"]["partition"]["alpha"]) for r in runs) == [
-        (0, 0.3),
-        (1, 0.3),
+        (SMALL["seed"], 0.3),
+        (4, 0.3),
     ]
     header, rows = table_rows(runs)
     assert header[:2] == ["seed", "final_accuracy"]  # only the swept key leads the table
@@ -124,7 +142,7 @@ def test_multirun_writes_one_valid_results_file_per_run_and_report_matches(
         assert row[header.index("uplink_wire_bytes")] == run["summary"]["uplink_wire_bytes_total"]
         assert row[header.index("wall_s")] == run["summary"]["wall_s"]
     out = subprocess.run(
-        [sys.executable, "-m", "experiments.report", str(sweep)],
+        [sys.executable, "-m", "experiments.report", str(multirun)],
         cwd=PROJECT_ROOT,
         check=True,
         capture_output=True,
