@@ -25,16 +25,11 @@ run: $(STAMP)
 
 ## test: set up, then lint and the fast test suite in a shuffled order (pytest-randomly;
 ## the seed is printed at the end, replay an order with `make test TEST_SEED=N`)
-# The modules that start Ray run after the shuffled rest, in their own order: across a
-# shuffled order Ray's per-node agents from one module outlived the next module's check
-# for leftover Ray processes (seed 1219033449).
-RAY_TESTS := tests/test_simulation.py tests/test_ray_cluster.py
-
+# One call, Ray modules included: each module that starts Ray stops it, checks that the
+# processes it started are gone and ignores ones it did not start (tests/ray_processes.py).
 test: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m pytest -m "not slow" -q -p randomly $(if $(TEST_SEED),--randomly-seed=$(TEST_SEED)) \
-	    $(addprefix --ignore=,$(RAY_TESTS))
-	$(PY) -m pytest -m "not slow" -q -p no:randomly $(RAY_TESTS)
+	$(PY) -m pytest -m "not slow" -q -p randomly $(if $(TEST_SEED),--randomly-seed=$(TEST_SEED))
 
 ## test-slow: the slow tests
 test-slow: $(STAMP)

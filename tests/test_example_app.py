@@ -5,8 +5,10 @@ from this environment, as a pre-installed wheel would)."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -59,14 +61,35 @@ def _flwr_run(app: Path, tmp_path: Path, rounds: int) -> str:
             what="flwr run",
         )
         run_id = int(reply["run-id"])
-        deadline = time.monotonic() + 300
-        while (status := cli.run_status(run_id))[0] != "finished:completed":
-            assert not status[0].startswith("finished"), status
-            assert time.monotonic() < deadline, "the example run did not finish"
-            time.sleep(2)
+        _await_run(cli, run_id, tmp_path / "flwr-log-stream.log", timeout_s=300)
         return _run_log(cli, run_id)
     finally:
         stop_components([link], grace_s=10)
+
+
+def _await_run(cli: FlwrCli, run_id: int, stream_log: Path, timeout_s: float) -> None:
+    """Return once the run completed (fail if it finished otherwise or took longer).
+
+    ``flwr log --stream`` returns when the run finishes, so one waiting process
+    replaces a ``flwr ls`` every 2 s (each a Python start that competed with the run
+    for this machine's cores); if the stream ends early, ``flwr ls`` polls as before.
+    """
+    stream = cli.stream_logs(run_id, stream_log)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while (status := cli.run_status(run_id))[0] != "finished:completed":
+            assert not status[0].startswith("finished"), status
+            remaining = deadline - time.monotonic()
+            assert remaining > 0, "the example run did not finish"
+            if stream.poll() is None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    stream.wait(timeout=min(remaining, 30))
+            else:
+                time.sleep(2)  # the stream ended before the run did: poll
+    finally:
+        if stream.poll() is None:
+            stream.kill()
+        stream.wait()
 
 
 @pytest.mark.deployment
@@ -126,8 +149,6 @@ def test_a_truncated_payload_through_a_real_superlink_is_one_clients_failure(
 
 
 def _run_log(cli: FlwrCli, run_id: int) -> str:
-    import subprocess
-
     out = subprocess.run(
         [_binary("flwr"), "log", str(run_id), cli.connection, "--show"],
         capture_output=True,

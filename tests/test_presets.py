@@ -16,6 +16,7 @@ from clients.client_app import make_client_app
 from clients.paths import paths_of
 from experiments.inprocess import InProcessGrid
 from experiments.presets import compose_runs, preset_settings, run_inprocess, sweep_axes
+from experiments.report import main as report_main
 from experiments.run import CONF_DIR
 from experiments.runtime import PROJECT_ROOT
 from fedcomp.results import load_results
@@ -26,17 +27,15 @@ PRESETS = sorted(p.stem for p in (Path(CONF_DIR) / "experiment").glob("*.yaml"))
 NEW_PRESETS = [p for p in PRESETS if "femnist" in p or "cifar10" in p]
 
 
-def each_value_once(name: str) -> list[Settings]:
-    """One run per swept value (the others at their first value): every group option
-    and value of the sweep composes, without composing the whole product."""
-    axes = [[f"{k}={v}" for v in values] for k, values in sweep_axes(name)[0].items()]
-    firsts = [axis[0] for axis in axes]
-    combos = [
-        tuple(value if j == i else firsts[j] for j in range(len(axes)))
-        for i, axis in enumerate(axes)
-        for value in axis
-    ]
-    return compose_runs(name, [], combos)
+def covering_combos(axes: dict[str, list[str]]) -> list[tuple[str, ...]]:
+    """Overrides of runs of the sweep in which every swept value of every key occurs at
+    least once: run i takes value ``i mod len(values)`` of each key, so
+    ``max(len(values))`` runs compose every group option and value of the sweep, each
+    next to non-first values of the other keys, without composing the whole product
+    (each Hydra composition costs about a quarter of a second here)."""
+    columns = [[f"{k}={v}" for v in values] for k, values in axes.items()]
+    width = max(len(column) for column in columns)
+    return [tuple(column[i % len(column)] for column in columns) for i in range(width)]
 
 
 def test_presets_name_the_experiments_and_validate() -> None:
@@ -64,8 +63,14 @@ def test_presets_name_the_experiments_and_validate() -> None:
     }
     swept: dict[str, list[Settings]] = {}
     for name, count in expected_runs.items():
-        assert math.prod(len(axis) for axis in sweep_axes(name)[0].values()) == count, name
-        swept[name] = each_value_once(name)
+        axes, _ = sweep_axes(name)
+        assert math.prod(len(axis) for axis in axes.values()) == count, name
+        combos = covering_combos(axes)
+        assert {o for combo in combos for o in combo} == {
+            f"{k}={v}" for k, values in axes.items() for v in values
+        }, name
+        assert len(combos) == max(len(values) for values in axes.values()), name
+        swept[name] = compose_runs(name, [], combos)
         for s in swept[name]:
             validate(s)
             if "cross_device" in name:
@@ -76,6 +81,7 @@ def test_presets_name_the_experiments_and_validate() -> None:
     assert {s.codec["name"] for s in residual} == {"fp32", "uniform", "residual"}
     assert {s.codec.get("bits") for s in residual} == {None, 8, 4, 2}
     assert {s.num_clients for s in residual} == {16}
+    assert {s.seed for s in residual} == {0, 1, 2, 3, 4}
     assert {s.partition.name for s in residual} == {"natural"}
     assert {s.model.name for s in residual} == {"cnn"}
     assert {s.model.hidden[2] for s in residual} == {2048}  # the LEAF CNN
@@ -138,7 +144,9 @@ def _cells(line: str) -> list[str]:
     return [c.strip() for c in line.strip().strip("|").split("|")]
 
 
-def test_report_of_the_femnist_smoke_sweep_matches_its_results(data_fixtures, tmp_path) -> None:
+def test_report_of_the_femnist_smoke_sweep_matches_its_results(
+    data_fixtures, tmp_path, capsys
+) -> None:
     """residual_femnist_smoke over 2 seeds (8 writers to keep it quick), run in-process
     into a multirun layout; then the report: the PNGs exist and every number in its
     table is the value computed here from the results files."""
@@ -155,21 +163,11 @@ def test_report_of_the_femnist_smoke_sweep_matches_its_results(data_fixtures, tm
         s.results_path = str(sweep / str(i) / "results.json")
         run_inprocess(s)
     out_dir = tmp_path / "report"
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "experiments.report",
-            "--paired",
-            str(sweep),
-            "--out-dir",
-            str(out_dir),
-        ],
-        cwd=PROJECT_ROOT,
-        check=True,
-        capture_output=True,
-        text=True,
-    )
+    # The command's main in this process (test_simulation runs its `python -m` entry):
+    # the same table and files, without starting a second Python.
+    capsys.readouterr()
+    assert report_main(["--paired", str(sweep), "--out-dir", str(out_dir)]) == 0
+    out = capsys.readouterr().out
     for png in (
         "accuracy_vs_total_wire_bytes.png",
         "accuracy_vs_uplink_codec_bytes.png",
@@ -183,7 +181,7 @@ def test_report_of_the_femnist_smoke_sweep_matches_its_results(data_fixtures, tm
     by_codec: dict[str, list[dict]] = {}
     for r in results:
         by_codec.setdefault(r["config"]["codec"]["name"], []).append(r)
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("|")]
+    lines = [ln for ln in out.splitlines() if ln.startswith("|")]
     header = _cells(lines[0])
     assert header[:2] == ["codec.name", "codec.bits"]
     rows = {_cells(ln)[0]: _cells(ln) for ln in lines[2:] if not ln.startswith("| bits")}
@@ -231,7 +229,7 @@ def test_report_of_the_femnist_smoke_sweep_matches_its_results(data_fixtures, tm
         )
     ]
     half = 12.706 * np.std(diffs, ddof=1) / np.sqrt(2)
-    assert f"| 2 | 2 | {np.mean(diffs):+.4f} +- {half:.4f} |" in out.stdout  # paired by seed
+    assert f"| 2 | 2 | {np.mean(diffs):+.4f} +- {half:.4f} |" in out  # paired by seed
 
 
 @pytest.mark.slow  # ~20 s; the in-process smoke tests cover the preset's numbers
@@ -302,8 +300,9 @@ def test_onebit_cifar10_smoke_runs_two_rounds_with_the_exact_mean_measured(
 ) -> None:
     """Preset (2): heavy-tailed updates, equal ~1 bit per coordinate; every round records
     the aggregate's error against the clients' exact mean (fp32: rounding only)."""
-    full = preset_settings("onebit_cifar10", "diagnostics_dir=")
-    assert len(full) == 5 * 2 * 3
+    axes, _ = sweep_axes("onebit_cifar10")
+    assert math.prod(len(values) for values in axes.values()) == 5 * 2 * 3
+    full = compose_runs("onebit_cifar10", ["diagnostics_dir="], covering_combos(axes))
     assert {s.codec["name"] for s in full} == {"fp32", "dither", "sign", "qsgd", "onebit"}
     runs = preset_settings(
         "onebit_cifar10_smoke",
@@ -461,7 +460,15 @@ def test_client_state_on_disk_keeps_context_state_empty_and_changes_nothing(tmp_
     every per-round number equals the in-memory run's: clients sampled again read the
     same state back from their files, and a second run in the same directory ignores
     the first run's files (the server has accepted nothing from those clients yet)."""
-    sizes = ("num_clients=40", "fraction_train=0.5", "fraction_evaluate=0.25", "num_rounds=3")
+    # 20 clients of 100 samples (10 train and 5 evaluate a round): what is compared is
+    # the runs' numbers, and some clients train twice, some never
+    sizes = (
+        "num_clients=20",
+        "dataset.num_samples=2000",
+        "fraction_train=0.5",
+        "fraction_evaluate=0.25",
+        "num_rounds=3",
+    )
     (memory,) = preset_settings("cross_device_smoke", *sizes)
     (disk,) = preset_settings(
         "cross_device_smoke", *sizes, "client_state=disk", f"client_state_dir={tmp_path}"
@@ -482,6 +489,7 @@ def test_client_state_on_disk_keeps_context_state_empty_and_changes_nothing(tmp_
         for r in in_memory["rounds"]
     ]
     assert trained[0] & trained[1]  # some clients trained again: their state was read
+    assert len(set().union(*trained)) < 20  # and some never: the run has both kinds
     assert sum(_state_bytes(c.state) for c in grid_memory.contexts.values()) > 0
     assert all(_state_bytes(c.state) == 0 for c in grid_disk.contexts.values())
     names = {p.name for p in tmp_path.iterdir()}

@@ -8,12 +8,19 @@ and stops what it started."""
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from experiments.runtime import ray_temp_dir
 from experiments.simulate import backend_config, check_ray_cluster, simulate
 from fedcomp.settings import settings_from_dict
+from tests.ray_processes import await_no_new_ray_processes, ray_processes
+
+if TYPE_CHECKING:
+    from ray.cluster_utils import Cluster
 
 pytestmark = pytest.mark.simulation
 
@@ -25,24 +32,29 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster() -> Iterator[Cluster]:
+    """A head and a second node; stopped after the module, and every Ray process it
+    started must then be gone (ones alive before it began are another module's)."""
     import ray
+    from ray._common.utils import get_ray_address_file
     from ray.cluster_utils import Cluster
 
     ray.shutdown()
-    head = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 1,
-            "include_dashboard": False,
-            "temp_dir": ray_temp_dir(),
-        },
-    )
-    head.add_node(num_cpus=1)
-    head.wait_for_nodes()
-    yield head
-    ray.shutdown()
-    head.shutdown()
+    before = set(ray_processes())
+    # The head writes its address to Ray's default temp dir (RAY_TMPDIR/ray), which on
+    # a fresh checkout only a previous ray.init has created.
+    Path(get_ray_address_file(None)).parent.mkdir(parents=True, exist_ok=True)
+    head = Cluster()
+    try:
+        head.add_node(num_cpus=1, include_dashboard=False, temp_dir=ray_temp_dir())
+        head.add_node(num_cpus=1)
+        head.wait_for_nodes()
+        yield head
+    finally:  # also when a node failed to start: stop what did start
+        ray.shutdown()
+        head.shutdown()
+    left = await_no_new_ray_processes(before)
+    assert left == [], f"Ray processes of the cluster alive 120 s after it stopped: {left}"
 
 
 def _where_client_tasks_ran(address: str) -> dict[str, int]:

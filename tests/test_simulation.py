@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
-import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,39 +21,28 @@ from fedcomp.codecs.wire import HEADER_FIXED_BYTES
 from fedcomp.models import build_model
 from fedcomp.results import load_results
 from fedcomp.settings import Settings, settings_from_dict
+from tests.ray_processes import await_no_new_ray_processes, ray_processes
 
 pytestmark = pytest.mark.simulation
 
 SMALL = {"num_clients": 3, "num_rounds": 2, "seed": 3}
 
 
-def _ray_processes() -> list[str]:
-    """Ray processes this test session started: descendants of this process, or any
-    process naming this session's Ray temp dir (other runs on the machine do not count)."""
-    out = subprocess.run(
-        ["ps", "-eo", "pid=,ppid=,args="], capture_output=True, text=True, check=True
-    )
-    rows = [line.split(None, 2) for line in out.stdout.splitlines() if line.strip()]
-    parent = {int(r[0]): int(r[1]) for r in rows}
-
-    def ours(pid: int) -> bool:
-        while pid > 1:
-            pid = parent.get(pid, 1)
-            if pid == os.getpid():
-                return True
-        return False
-
-    ray_dir = os.environ.get("RAY_TMPDIR", "\0")
-    tags = ("raylet", "gcs_server", "ray::", "default_worker.py")
-    return [
-        r[2]
-        for r in rows
-        if len(r) == 3 and any(tag in r[2] for tag in tags) and (ours(int(r[0])) or ray_dir in r[2])
-    ]
+@pytest.fixture(scope="module", autouse=True)
+def ray_before() -> Iterator[set[int]]:
+    """The session's Ray processes before this module starts Ray (another module's may
+    still be exiting: not this module's to check); after the module, every Ray process
+    it started must be gone."""
+    before = set(ray_processes())
+    yield before
+    left = await_no_new_ray_processes(before)
+    assert left == [], f"Ray processes of test_simulation alive 120 s after it: {left}"
 
 
 @pytest.fixture(scope="module")
-def first_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Settings, dict, Path]:
+def first_run(
+    tmp_path_factory: pytest.TempPathFactory, ray_before: set[int]
+) -> tuple[Settings, dict, Path]:
     path = tmp_path_factory.mktemp("sim") / "results.json"
     settings = settings_from_dict({**SMALL, "results_path": str(path)})
     return settings, simulate(settings), path
@@ -82,18 +70,49 @@ def test_simulation_learns_writes_results_and_counts_real_bytes(first_run) -> No
     assert summary["ratio_vs_fp32_codec"] == 1.0
 
 
-def test_no_ray_process_is_left_behind(first_run) -> None:
-    # Ray's processes exit on their own after shutdown: await that, with a generous
-    # bound (a leaked raylet or worker lives on indefinitely).
-    deadline = time.monotonic() + 120
-    while _ray_processes() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert _ray_processes() == [], "Ray processes still alive 120 s after the run"
+def test_no_ray_process_is_left_behind(first_run, ray_before) -> None:
+    # Only processes that were not alive before this module started Ray: another
+    # module's leftovers are that module's to check.
+    left = await_no_new_ray_processes(ray_before)
+    assert left == [], "Ray processes still alive 120 s after the run"
 
 
-def test_same_seed_gives_the_same_per_round_metrics(first_run) -> None:
+@pytest.fixture(scope="module")
+def multirun(tmp_path_factory: pytest.TempPathFactory, ray_before: set[int]) -> Path:
+    """``python -m experiments.run -m``: two jobs in one process (Ray starts and stops
+    twice there); the second has first_run's settings (seed 3, 3 clients, 2 rounds)."""
+    sweep = tmp_path_factory.mktemp("multirun") / "sweep"
+    cmd = [
+        sys.executable,
+        "-m",
+        "experiments.run",
+        "-m",
+        f"seed=4,{SMALL['seed']}",
+        "partition.alpha=0.3",
+        f"num_rounds={SMALL['num_rounds']}",
+        f"num_clients={SMALL['num_clients']}",
+        f"hydra.sweep.dir={sweep}",
+    ]
+    subprocess.run(cmd, cwd=PROJECT_ROOT, check=True, capture_output=True, timeout=600)
+    return sweep
+
+
+def test_same_seed_gives_the_same_per_round_metrics(first_run, multirun) -> None:
+    """first_run (simulate, in this process) and the multirun's job with the same
+    settings (composed by Hydra, in another process, after a first job there)."""
     _settings, results, _ = first_run
-    again = simulate(settings_from_dict({**SMALL}))
+    runs = [load_results(f) for f in multirun.rglob("results.json")]
+    (again,) = [r for r in runs if r["config"]["seed"] == SMALL["seed"]]
+    # the same settings, whichever way they were given, but for where files go
+    # (experiments.run puts them in the job's directory; with client_state=memory the
+    # clients' state directory holds only copies, for a resumed run)
+    differ = {
+        k
+        for k in results["config"].keys() | again["config"].keys()
+        if results["config"].get(k) != again["config"].get(k)
+    }
+    assert differ <= {"results_path", "client_state_dir"}, differ
+    assert again["config"]["client_state"] == "memory"
     keys = (
         "accuracy",
         "loss",
@@ -108,28 +127,13 @@ def test_same_seed_gives_the_same_per_round_metrics(first_run) -> None:
         assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
 
 
-def test_multirun_writes_one_valid_results_file_per_run_and_report_matches(
-    tmp_path: Path,
-) -> None:
-    sweep = tmp_path / "sweep"
-    cmd = [
-        sys.executable,
-        "-m",
-        "experiments.run",
-        "-m",
-        "seed=0,1",  # two runs: Ray starts and stops twice in one process
-        "partition.alpha=0.3",
-        "num_rounds=1",
-        "num_clients=3",
-        f"hydra.sweep.dir={sweep}",
-    ]
-    subprocess.run(cmd, cwd=PROJECT_ROOT, check=True, capture_output=True, timeout=600)
-    files = sorted(sweep.rglob("results.json"))
+def test_multirun_writes_one_valid_results_file_per_run_and_report_matches(multirun) -> None:
+    files = sorted(multirun.rglob("results.json"))
     assert len(files) == 2
     runs = [load_results(f) for f in files]
     assert sorted((r["config"]["seed"], r["config"]["partition"]["alpha"]) for r in runs) == [
-        (0, 0.3),
-        (1, 0.3),
+        (SMALL["seed"], 0.3),
+        (4, 0.3),
     ]
     header, rows = table_rows(runs)
     assert header[:2] == ["seed", "final_accuracy"]  # only the swept key leads the table
@@ -138,7 +142,7 @@ def test_multirun_writes_one_valid_results_file_per_run_and_report_matches(
         assert row[header.index("uplink_wire_bytes")] == run["summary"]["uplink_wire_bytes_total"]
         assert row[header.index("wall_s")] == run["summary"]["wall_s"]
     out = subprocess.run(
-        [sys.executable, "-m", "experiments.report", str(sweep)],
+        [sys.executable, "-m", "experiments.report", str(multirun)],
         cwd=PROJECT_ROOT,
         check=True,
         capture_output=True,
