@@ -23,8 +23,9 @@ $(STAMP): pyproject.toml constraints.txt
 run: $(STAMP)
 	$(PY) -m experiments.run
 
-## test: set up, then lint and the fast test suite in a shuffled order (pytest-randomly;
-## the seed is printed at the end, replay an order with `make test TEST_SEED=N`)
+## test: set up, then lint (ruff, vulture) and the fast test suite in a shuffled order
+## (pytest-randomly; the seed is printed at the end, replay an order with
+## `make test TEST_SEED=N`)
 # The modules that start Ray run after the shuffled rest, in their own order: across a
 # shuffled order Ray's per-node agents from one module outlived the next module's check
 # for leftover Ray processes (seed 1219033449).
@@ -32,6 +33,7 @@ RAY_TESTS := tests/test_simulation.py tests/test_ray_cluster.py
 
 test: $(STAMP)
 	$(PY) -m ruff check .
+	$(PY) -m vulture
 	$(PY) -m pytest -m "not slow" -q -p randomly $(if $(TEST_SEED),--randomly-seed=$(TEST_SEED)) \
 	    $(addprefix --ignore=,$(RAY_TESTS))
 	$(PY) -m pytest -m "not slow" -q -p no:randomly $(RAY_TESTS)
@@ -107,8 +109,10 @@ wheel: $(STAMP)
 	$(PY) -m pip wheel --no-deps --no-build-isolation -q -w dist .
 	@ls dist/fedcomp-*.whl
 
+## lint: ruff, then vulture for dead code (paths and whitelist: pyproject's [tool.vulture])
 lint: $(STAMP)
 	$(PY) -m ruff check .
+	$(PY) -m vulture
 
 clean:
 	rm -rf $(VENV) .flwr .ray outputs multirun .pytest_cache mutants

@@ -246,15 +246,6 @@ class ControlVariateServer:
         #: Clients that must send a full-precision resync in their next reply.
         self.resync_requested: set[int] = set()
 
-    def reconstruct(
-        self, stable_id: int, decoded: Mapping[str, np.ndarray], **protocol: Any
-    ) -> dict[str, np.ndarray]:
-        """:meth:`prepare` (same arguments) then :meth:`commit`: the update, with the
-        mirror moved."""
-        ghat, pending = self.prepare(stable_id, decoded, **protocol)
-        self.commit(pending)
-        return ghat
-
     def prepare(
         self,
         stable_id: int,

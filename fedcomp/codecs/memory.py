@@ -5,8 +5,8 @@ last time to this round's update before encoding, so a biased codec (sign, top-k
 loses nothing in the long run: the sum of what the server decodes telescopes to the
 sum of the updates minus the current error.
 
-The server needs no state for EF (it decodes the inner codec's payload as usual);
-``reconstruct`` is the identity. State lives on the client, one explicit object per
+The server needs no state for EF: it decodes the inner codec's payload as usual, and
+that is the update. State lives on the client, one explicit object per
 client, committed only once the server acknowledged the reply that carried it.
 """
 
@@ -132,10 +132,6 @@ class ErrorFeedback(Memory):
         payload = self.inner.encode(corrected.to(x.dtype), seed=seed)
         new_residual = corrected - self.inner.decode(payload).to(torch.float32)
         return payload, new_residual
-
-    def reconstruct(self, decoded: torch.Tensor, state: Any = None) -> tuple[torch.Tensor, Any]:
-        """Server side: EF needs no server state, the decoded payload is the update."""
-        return decoded, state
 
 
 def encode_with_feedback(
