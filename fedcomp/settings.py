@@ -42,16 +42,9 @@ MODELS = ("mlp", "cnn", "resnet18", "niid_cnn")
 DEVICES = ("auto", "cpu", "cuda")
 PROGRESS = ("auto", "bar", "log", "off")
 CLIENT_STATES = ("memory", "disk")
-STRATEGIES = (
-    "fedavg",
-    "fedavgm",
-    "fedprox",
-    "fedadam",
-    "fedyogi",
-    "fedadagrad",
-    "fedmedian",
-    "fedtrimmedavg",
-)
+TREES = ("sum", "sequential", "balanced", "blocked", "huffman", "greedy", "adaptive")
+STATS = ("current", "ema")
+TREE_DTYPES = ("fp32", "bf16", "fp16")
 
 
 @dataclass
@@ -173,19 +166,44 @@ class PolicySettings:
 
 
 @dataclass
-class AggregationSettings:
-    """How decoded client updates reach the inner Flower strategy."""
+class TreeOptions:
+    """The reduction tree's options (``aggregation.*``), declared once: the run
+    settings (:class:`AggregationSettings`) and the server's
+    ``fedcomp.trees.aggregate.TreeConfig`` both extend it. Pre-aggregated mode: the
+    reduction tree, its dtype, and its statistics."""
 
-    handoff: str = "per_client"
-    #: Residual memory: a directory for the control-variate mirrors ("" = in memory).
-    mirror_dir: str = ""
-    #: Pre-aggregated mode: the reduction tree, its dtype, and its statistics.
     tree: str = "sum"
     dtype: str = "fp32"
     root_fp32: bool = False
     chunk_size: int = 65536
     refresh_rounds: int = 1
     stats: str = "current"
+
+    def check_tree_options(self) -> None:
+        """Raise ``ValueError`` naming the ``aggregation.*`` key, its value and what is
+        allowed."""
+        if self.tree not in TREES:
+            raise ValueError(f"aggregation.tree={self.tree!r}; allowed: {', '.join(TREES)}")
+        if self.dtype not in TREE_DTYPES:
+            raise ValueError(
+                f"aggregation.dtype={self.dtype!r}; allowed: {', '.join(TREE_DTYPES)}"
+            )
+        if self.chunk_size < 1:
+            raise ValueError(f"aggregation.chunk_size={self.chunk_size!r}: must be >= 1")
+        if self.refresh_rounds < 1:
+            raise ValueError(f"aggregation.refresh_rounds={self.refresh_rounds!r}: must be >= 1")
+        if self.stats not in STATS:
+            raise ValueError(f"aggregation.stats={self.stats!r}; allowed: {', '.join(STATS)}")
+
+
+@dataclass
+class AggregationSettings(TreeOptions):
+    """How decoded client updates reach the inner Flower strategy (the reduction tree's
+    options: :class:`TreeOptions`)."""
+
+    handoff: str = "per_client"
+    #: Residual memory: a directory for the control-variate mirrors ("" = in memory).
+    mirror_dir: str = ""
     #: Bounded influence: a client's reported num-examples is capped at this multiple
     #: of the round's median report (0 = no cap), so no client dominates the mean.
     weight_cap: float = 0.0
@@ -470,7 +488,9 @@ def validate(settings: Settings) -> Settings:
     parse_downlink(s.downlink)  # names downlink.<key>, the value and what is allowed
     if "name" not in s.strategy:
         _fail("strategy", s.strategy, "a strategy spec needs a 'name'")
-    _check_choice("strategy.name", s.strategy["name"], STRATEGIES)
+    from fedcomp.flower.inner_state import INNER_STRATEGIES  # flwr only when checking
+
+    _check_choice("strategy.name", s.strategy["name"], tuple(INNER_STRATEGIES))
     check_codec_regime(
         str(s.codec["name"]),
         max(1, int(s.fraction_train * s.num_clients)),  # the wrapper's count (Flower's)
@@ -519,14 +539,7 @@ def tree_config(settings: Settings) -> TreeConfig:
     from fedcomp.trees.aggregate import TreeConfig
 
     a = settings.aggregation
-    return TreeConfig(
-        tree=a.tree,
-        dtype=a.dtype,
-        root_fp32=a.root_fp32,
-        chunk_size=a.chunk_size,
-        refresh_rounds=a.refresh_rounds,
-        stats=a.stats,
-    )
+    return TreeConfig(**{f.name: getattr(a, f.name) for f in dataclasses.fields(TreeOptions)})
 
 
 def aggregation_of(settings: Settings) -> Aggregation:

@@ -6,28 +6,9 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
-from flwr.serverapp.strategy import (
-    FedAdagrad,
-    FedAdam,
-    FedAvg,
-    FedAvgM,
-    FedMedian,
-    FedProx,
-    FedTrimmedAvg,
-    FedYogi,
-    Strategy,
-)
+from flwr.serverapp.strategy import Strategy
 
-INNER_STRATEGIES: dict[str, type[Strategy]] = {
-    "fedavg": FedAvg,
-    "fedavgm": FedAvgM,
-    "fedprox": FedProx,
-    "fedadam": FedAdam,
-    "fedyogi": FedYogi,
-    "fedadagrad": FedAdagrad,
-    "fedmedian": FedMedian,
-    "fedtrimmedavg": FedTrimmedAvg,
-}
+from fedcomp.flower.inner_state import INNER_STRATEGIES
 
 #: Sampling belongs to the wrapper (seeded, over stable ids): these are set here.
 _MANAGED = {
@@ -59,7 +40,7 @@ def make_inner_strategy(
         raise ValueError(
             f"invalid setting strategy.name={name!r}: allowed: {', '.join(INNER_STRATEGIES)}"
         )
-    cls = INNER_STRATEGIES[name]
+    cls, _ = INNER_STRATEGIES[name]
     params = {k: v for k, v in spec.items() if k != "name"}
     accepted = set(inspect.signature(cls.__init__).parameters) - {"self"}
     bad = sorted(k for k in params if k not in accepted or k in _MANAGED)

@@ -23,6 +23,7 @@ from fedcomp.keys import (
     METRIC_STATE_BYTES,
     RECORD_PAYLOAD,
 )
+from fedcomp.progress import human_bytes
 from fedcomp.results import RoundCounts
 from fedcomp.traffic import Kind, Traffic
 
@@ -187,14 +188,6 @@ def client_rows(per_client: dict[int, dict[str, Any]], traffic: Traffic) -> list
     return [per_client[sid] for sid in sorted(per_client)]
 
 
-def human_bytes(num_bytes: int) -> str:
-    """Bytes for the log line (results.json keeps exact integers)."""
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if num_bytes >= size:
-            return f"{num_bytes / size:.3f} {unit}"
-    return f"{num_bytes} B"
-
-
 def fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.4f}"
 
@@ -209,11 +202,11 @@ def log_line(record: Mapping[str, Any], num_rounds: int) -> str:
     return (
         f"round {record['round']}/{num_rounds} | accuracy {fmt(record['accuracy'])} "
         f"loss {fmt(record['loss'])} | client acc {fmt(record['client_accuracy'])} "
-        f"| total wire {human_bytes(total)} (fp32/total {fmt(fp32 / total if total else None)}) "
-        f"| up codec {human_bytes(record['uplink_codec_bytes'])} "
-        f"record {human_bytes(record['uplink_record_bytes'])} "
-        f"wire {human_bytes(record['uplink_wire_bytes'])} "
-        f"| down wire {human_bytes(record['downlink_wire_bytes'])} "
-        f"| evaluate wire {human_bytes(evaluate)} "
+        f"| total wire {human_bytes(total, 3)} (fp32/total {fmt(fp32 / total if total else None)}) "
+        f"| up codec {human_bytes(record['uplink_codec_bytes'], 3)} "
+        f"record {human_bytes(record['uplink_record_bytes'], 3)} "
+        f"wire {human_bytes(record['uplink_wire_bytes'], 3)} "
+        f"| down wire {human_bytes(record['downlink_wire_bytes'], 3)} "
+        f"| evaluate wire {human_bytes(evaluate, 3)} "
         f"| {record['replied']}/{record['selected']} replied | {record['round_s']:.2f} s"
     )
