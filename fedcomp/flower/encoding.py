@@ -16,9 +16,10 @@ import torch
 from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 
 from fedcomp.codecs import Codec, decode_bytes
+from fedcomp.codecs.policy import encode_all
 from fedcomp.flower.accounting import wire_bytes
 from fedcomp.flower.families import family_of
-from fedcomp.flower.families.base import Encoded, Instruction, encode_all
+from fedcomp.flower.families.base import Encoded, Instruction
 from fedcomp.flower.memory_state import MemoryState
 from fedcomp.keys import (
     KEY_NUM_EXAMPLES,
