@@ -45,6 +45,19 @@ CLIENT_STATES = ("memory", "disk")
 TREES = ("sum", "sequential", "balanced", "blocked", "huffman", "greedy", "adaptive")
 STATS = ("current", "ema")
 TREE_DTYPES = ("fp32", "bf16", "fp16")
+#: The inner strategies a run can name: Flower's classes of these names, lowercased
+#: (strategies/inner.py takes them from fedcomp.flower.inner_state, which checkpoints
+#: them); the core names them without importing flwr.
+STRATEGIES = (
+    "fedavg",
+    "fedavgm",
+    "fedprox",
+    "fedadam",
+    "fedyogi",
+    "fedadagrad",
+    "fedmedian",
+    "fedtrimmedavg",
+)
 
 
 @dataclass
@@ -457,46 +470,9 @@ def validate(settings: Settings) -> Settings:
     naming the key, the value and what is allowed.
     """
     s = settings
-    if s.num_rounds <= 0:
-        _fail("num_rounds", s.num_rounds, "must be a positive integer")
-    if s.num_clients <= 0:
-        _fail("num_clients", s.num_clients, "must be a positive integer")
-    if s.seed < 0:
-        _fail("seed", s.seed, "must be a non-negative integer")
-    _check_choice("progress", s.progress, PROGRESS)
-    _check_choice("client_state", s.client_state, CLIENT_STATES)
-    if s.client_state == "disk" and not s.client_state_dir:
-        _fail(
-            "client_state",
-            s.client_state,
-            "keeps client state only in files: set client_state_dir=<dir> too "
-            "(experiments.run sets it to <run dir>/client_state)",
-        )
-    for group in (s.dataset, s.partition, s.model, s.train, s.policy, s.faults, s.simulation):
-        group.check()
-    if s.partition.name == "natural" and s.dataset.name != "femnist":
-        _fail(
-            "partition.name",
-            s.partition.name,
-            f"a natural (per-writer) partition needs writer ids, which only femnist has "
-            f"(dataset.name={s.dataset.name!r}): use dirichlet, pathological or iid",
-        )
-    if "name" not in s.codec:
-        _fail("codec", s.codec, "a codec spec needs a 'name'")
-    from fedcomp.downlink import parse_downlink  # the codecs (torch) only when checking
-
-    parse_downlink(s.downlink)  # names downlink.<key>, the value and what is allowed
-    if "name" not in s.strategy:
-        _fail("strategy", s.strategy, "a strategy spec needs a 'name'")
-    from fedcomp.flower.inner_state import INNER_STRATEGIES  # flwr only when checking
-
-    _check_choice("strategy.name", s.strategy["name"], tuple(INNER_STRATEGIES))
-    check_codec_regime(
-        str(s.codec["name"]),
-        max(1, int(s.fraction_train * s.num_clients)),  # the wrapper's count (Flower's)
-        regime_check=s.regime_check,
-    )
-    check_learnable(s.codec, str(s.strategy["name"]), regime_check=s.regime_check)
+    _check_run_values(s)
+    _check_groups(s)
+    _check_specs(s)
     if not 0 <= s.learning_margin < 1:
         _fail("learning_margin", s.learning_margin, "must be in [0, 1)")
     if not (math.isfinite(s.identity_reply_timeout) and s.identity_reply_timeout > 0):
@@ -515,6 +491,56 @@ def validate(settings: Settings) -> Settings:
         max_num_examples=a.max_num_examples,
     )
     return s
+
+
+def _check_run_values(s: Settings) -> None:
+    """The run's own scalars: sizes, seed, display, and where client state lives."""
+    if s.num_rounds <= 0:
+        _fail("num_rounds", s.num_rounds, "must be a positive integer")
+    if s.num_clients <= 0:
+        _fail("num_clients", s.num_clients, "must be a positive integer")
+    if s.seed < 0:
+        _fail("seed", s.seed, "must be a non-negative integer")
+    _check_choice("progress", s.progress, PROGRESS)
+    _check_choice("client_state", s.client_state, CLIENT_STATES)
+    if s.client_state == "disk" and not s.client_state_dir:
+        _fail(
+            "client_state",
+            s.client_state,
+            "keeps client state only in files: set client_state_dir=<dir> too "
+            "(experiments.run sets it to <run dir>/client_state)",
+        )
+
+
+def _check_groups(s: Settings) -> None:
+    """Each settings group checks itself; then the partition against the dataset."""
+    for group in (s.dataset, s.partition, s.model, s.train, s.policy, s.faults, s.simulation):
+        group.check()
+    if s.partition.name == "natural" and s.dataset.name != "femnist":
+        _fail(
+            "partition.name",
+            s.partition.name,
+            f"a natural (per-writer) partition needs writer ids, which only femnist has "
+            f"(dataset.name={s.dataset.name!r}): use dirichlet, pathological or iid",
+        )
+
+
+def _check_specs(s: Settings) -> None:
+    """The codec, downlink and strategy specs, then the codec in its regime (fedcomp.rules)."""
+    if "name" not in s.codec:
+        _fail("codec", s.codec, "a codec spec needs a 'name'")
+    from fedcomp.downlink import parse_downlink  # the codecs (torch) only when checking
+
+    parse_downlink(s.downlink)  # names downlink.<key>, the value and what is allowed
+    if "name" not in s.strategy:
+        _fail("strategy", s.strategy, "a strategy spec needs a 'name'")
+    _check_choice("strategy.name", s.strategy["name"], STRATEGIES)
+    check_codec_regime(
+        str(s.codec["name"]),
+        max(1, int(s.fraction_train * s.num_clients)),  # the wrapper's count (Flower's)
+        regime_check=s.regime_check,
+    )
+    check_learnable(s.codec, str(s.strategy["name"]), regime_check=s.regime_check)
 
 
 def _check_model_widths(model: ModelSettings) -> None:

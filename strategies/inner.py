@@ -8,7 +8,14 @@ from typing import Any
 
 from flwr.serverapp.strategy import Strategy
 
-from fedcomp.flower.inner_state import INNER_STRATEGIES
+from fedcomp.flower.inner_state import STATE_ATTRIBUTES
+from fedcomp.settings import STRATEGIES
+
+_CHECKPOINTED = {cls.__name__.lower(): cls for cls in STATE_ATTRIBUTES}
+#: The strategy each name of fedcomp.settings.STRATEGIES builds: the Flower class of
+#: that name, lowercased, among those fedcomp.flower.inner_state can checkpoint (a name
+#: without one is a KeyError here, at import).
+INNER_STRATEGIES: dict[str, type[Strategy]] = {name: _CHECKPOINTED[name] for name in STRATEGIES}
 
 #: Sampling belongs to the wrapper (seeded, over stable ids): these are set here.
 _MANAGED = {
@@ -40,7 +47,7 @@ def make_inner_strategy(
         raise ValueError(
             f"invalid setting strategy.name={name!r}: allowed: {', '.join(INNER_STRATEGIES)}"
         )
-    cls, _ = INNER_STRATEGIES[name]
+    cls = INNER_STRATEGIES[name]
     params = {k: v for k, v in spec.items() if k != "name"}
     accepted = set(inspect.signature(cls.__init__).parameters) - {"self"}
     bad = sorted(k for k in params if k not in accepted or k in _MANAGED)

@@ -40,23 +40,16 @@ _DP = (
     DifferentialPrivacyServerSideAdaptiveClipping,
     DifferentialPrivacyServerSideFixedClipping,
 )
-_OPTIMIZER = ("current_arrays", "m_t", "v_t")
-#: The inner strategies a run can name (``strategy.name``, built by strategies/inner.py),
-#: each with the attributes that carry its state between rounds.
-INNER_STRATEGIES: dict[str, tuple[type[Strategy], tuple[str, ...]]] = {
-    "fedavg": (FedAvg, ()),
-    "fedavgm": (FedAvgM, ("current_arrays", "momentum_vector")),
-    "fedprox": (FedProx, ()),
-    "fedadam": (FedAdam, _OPTIMIZER),
-    "fedyogi": (FedYogi, _OPTIMIZER),
-    "fedadagrad": (FedAdagrad, _OPTIMIZER),
-    "fedmedian": (FedMedian, ()),
-    "fedtrimmedavg": (FedTrimmedAvg, ()),
-}
-#: The attributes that carry each supported class's state between rounds: the named
-#: strategies and the DP wrappers a user's ServerApp may put around them.
+#: The attributes that carry each supported class's state between rounds.
 STATE_ATTRIBUTES: dict[type, tuple[str, ...]] = {
-    **dict(INNER_STRATEGIES.values()),
+    FedAvg: (),
+    FedProx: (),
+    FedMedian: (),
+    FedTrimmedAvg: (),
+    FedAvgM: ("current_arrays", "momentum_vector"),
+    FedAdam: ("current_arrays", "m_t", "v_t"),
+    FedYogi: ("current_arrays", "m_t", "v_t"),
+    FedAdagrad: ("current_arrays", "m_t", "v_t"),
     **dict.fromkeys(_DP, ("clipping_norm", "current_arrays")),
 }
 

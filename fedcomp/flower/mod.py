@@ -227,10 +227,21 @@ class CompressionMod:
         turns any exception of the mod here into an error reply (RecursionError and
         MemoryError included); a failure before the app runs leaves Context.state as
         it was."""
-        kind = msg.metadata.message_type
         if is_identity_message(msg):  # first contact: answered here, no training
             return identity_reply(msg, ctxt, HANDLES)
-        try:  # the run settings, when the instruction carries only their digest
+        held = self._settings_and_replica(msg, ctxt)
+        if isinstance(held, Message):  # a precondition failed: an error reply
+            return held
+        if msg.metadata.message_type == MessageType.EVALUATE:
+            return self._evaluate(msg, ctxt, call_next, held)
+        return self._train(msg, ctxt, call_next, held)
+
+    def _settings_and_replica(self, msg: Message, ctxt: Context) -> dict[str, Any] | Message:
+        """What every instruction needs before the app runs: the run settings (restored
+        when it carries only their digest), a place for the client's state, and the
+        downlink replica brought up to date. Returns the reply header fields saying
+        what this client holds, or an error reply."""
+        try:
             digest = restore_settings(msg.content, ctxt.state)
         except ValueError as exc:
             return _precondition_error(msg, f"CompressionMod: {exc}")
@@ -241,9 +252,13 @@ class CompressionMod:
         replica = self._take_downlink(msg, ctxt)
         if isinstance(replica, Message):  # the replica cannot be brought up to date
             return replica
-        held = _held_header(digest, replica)
-        if kind == MessageType.EVALUATE:
-            return self._evaluate(msg, ctxt, call_next, held)
+        return _held_header(digest, replica)
+
+    def _train(
+        self, msg: Message, ctxt: Context, call_next: _AppCall, held: dict[str, Any]
+    ) -> Message:
+        """A train instruction: the app trains, its update is encoded (staging the
+        codec's memory), and the reply carries the payloads; the memory is kept last."""
         instruction = self._read_instruction(msg, ctxt)
         if isinstance(instruction, Message):  # a precondition failed: an error reply
             return instruction
@@ -282,12 +297,18 @@ class CompressionMod:
         content[RECORD_METRICS] = out_metrics
         reply = Message(content, reply_to=msg)
         if encoded.memory is not None:  # last: nothing after this can fail
-            directory = self._state_dir(msg)
-            if self._in_context(msg):
-                store_memory(ctxt.state, encoded.memory)
-            if directory:
-                save_memory_file(memory_path(directory, instruction.stable_id), encoded.memory)
+            self._keep_memory(msg, ctxt, instruction.stable_id, encoded.memory)
         return reply
+
+    def _keep_memory(
+        self, msg: Message, ctxt: Context, stable_id: int, memory: MemoryState
+    ) -> None:
+        """The staged memory into Context.state and/or its file, as the run config says."""
+        directory = self._state_dir(msg)
+        if self._in_context(msg):
+            store_memory(ctxt.state, memory)
+        if directory:
+            save_memory_file(memory_path(directory, stable_id), memory)
 
     def _take_downlink(self, msg: Message, ctxt: Context) -> Replica | Message | None:
         """Bring this client's replica up to the server's x_hat and put the model into

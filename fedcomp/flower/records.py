@@ -116,11 +116,6 @@ def round_record(
     traffic: Traffic,
 ) -> dict[str, Any]:
     """One round of results.json (fedcomp.results gives the shape)."""
-    measured = [r for r in rows if "fp32_codec_bytes" in r]  # decoded replies only
-    fp32_codec = sum(r["fp32_codec_bytes"] for r in measured)
-    fp32_wire = sum(r["fp32_wire_bytes"] for r in measured)
-    sent_codec = sum(r["uplink_codec_bytes"] for r in measured)
-    sent_wire = sum(r["uplink_wire_bytes"] for r in measured)
     return {
         "round": server_round,
         "accuracy": central.get("accuracy"),
@@ -128,13 +123,28 @@ def round_record(
         "client_accuracy": counts.client_accuracy,
         "client_loss": counts.client_loss,
         "client_metrics": dict(counts.client_metrics),
-        "uplink_codec_bytes": sum(r["uplink_codec_bytes"] for r in rows),
-        "uplink_record_bytes": sum(r["uplink_record_bytes"] for r in rows),
-        "uplink_wire_bytes": sum(r["uplink_wire_bytes"] for r in rows),
-        "downlink_record_bytes": sum(r["downlink_record_bytes"] for r in rows),
-        "downlink_wire_bytes": sum(r["downlink_wire_bytes"] for r in rows),
+        **{key: sum(r[key] for r in rows) for key in _SUMMED},
         "per_client": rows,
         **traffic.round_fields(),
+        **_outcome_fields(counts, round_s),
+        "codec": _codec_section(counts, rows, codec_spec, tensor_codecs, cv),
+    }
+
+
+#: Byte counts of the per-client rows that the round record sums.
+_SUMMED = (
+    "uplink_codec_bytes",
+    "uplink_record_bytes",
+    "uplink_wire_bytes",
+    "downlink_record_bytes",
+    "downlink_wire_bytes",
+)
+
+
+def _outcome_fields(counts: RoundCounts, round_s: float) -> dict[str, Any]:
+    """What the round took and what became of its replies (the optional fields appear
+    only when something happened)."""
+    return {
         "decode_s": counts.decode_s,
         "aggregate_s": counts.aggregate_s,
         "round_s": round_s,
@@ -159,23 +169,39 @@ def round_record(
             if counts.replica_accuracy is not None
             else {}
         ),
-        "codec": {
-            "spec": dict(codec_spec),
-            "fp32_codec_bytes": fp32_codec,
-            "fp32_wire_bytes": fp32_wire,
-            "decoded_codec_bytes": sent_codec,
-            "decoded_wire_bytes": sent_wire,
-            "ratio_vs_fp32_codec": fp32_codec / sent_codec if sent_codec else None,
-            "ratio_vs_fp32_wire": fp32_wire / sent_wire if sent_wire else None,
-            "per_tensor": dict(tensor_codecs),
-            "client_rel_error_mean": mean(
-                [r["codec_rel_error"] for r in measured if "codec_rel_error" in r]
-            ),
-            **residual_summary(cv, counts, measured),
-            **({"tree": counts.tree} if counts.tree is not None else {}),
-            **({"joint": counts.joint} if counts.joint is not None else {}),
-            **({"decode_passes": counts.decode_passes} if counts.decode_passes is not None else {}),
-        },
+    }
+
+
+def _codec_section(
+    counts: RoundCounts,
+    rows: list[dict[str, Any]],
+    codec_spec: Mapping[str, Any],
+    tensor_codecs: Mapping[str, str],
+    cv: ControlVariateServer | None,
+) -> dict[str, Any]:
+    """The codec's bytes against fp32 over the decoded replies, its error, and the
+    residual, tree and joint statistics of the round."""
+    measured = [r for r in rows if "fp32_codec_bytes" in r]  # decoded replies only
+    fp32_codec = sum(r["fp32_codec_bytes"] for r in measured)
+    fp32_wire = sum(r["fp32_wire_bytes"] for r in measured)
+    sent_codec = sum(r["uplink_codec_bytes"] for r in measured)
+    sent_wire = sum(r["uplink_wire_bytes"] for r in measured)
+    return {
+        "spec": dict(codec_spec),
+        "fp32_codec_bytes": fp32_codec,
+        "fp32_wire_bytes": fp32_wire,
+        "decoded_codec_bytes": sent_codec,
+        "decoded_wire_bytes": sent_wire,
+        "ratio_vs_fp32_codec": fp32_codec / sent_codec if sent_codec else None,
+        "ratio_vs_fp32_wire": fp32_wire / sent_wire if sent_wire else None,
+        "per_tensor": dict(tensor_codecs),
+        "client_rel_error_mean": mean(
+            [r["codec_rel_error"] for r in measured if "codec_rel_error" in r]
+        ),
+        **residual_summary(cv, counts, measured),
+        **({"tree": counts.tree} if counts.tree is not None else {}),
+        **({"joint": counts.joint} if counts.joint is not None else {}),
+        **({"decode_passes": counts.decode_passes} if counts.decode_passes is not None else {}),
     }
 
 
