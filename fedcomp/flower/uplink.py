@@ -176,7 +176,7 @@ class Uplink:
         return self.half.resync_requested(stable_id)
 
     def state_dict(self) -> dict[str, Any]:
-        """What the uplink carries across rounds (checkpoints: fedcomp.flower.checkpoint)."""
+        """What the uplink carries across rounds (checkpoints: fedcomp.flower.resume)."""
         return {
             "cv": None,  # the families' state under the keys checkpoints have always used
             "joint": None,
