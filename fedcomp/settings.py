@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Union
 from fedcomp.rules import check_codec_regime, check_learnable, check_server_options, fail
 
 if TYPE_CHECKING:  # a runtime import would load torch for every settings user
-    from fedcomp.aggregation import Aggregation
+    from fedcomp.handoff_options import Aggregation
     from fedcomp.influence import Influence
     from fedcomp.trees.aggregate import TreeConfig
 
@@ -570,7 +570,7 @@ def tree_config(settings: Settings) -> TreeConfig:
 
 def aggregation_of(settings: Settings) -> Aggregation:
     """The wrapper's aggregation settings object (hand-off, tree, mirrors)."""
-    from fedcomp.aggregation import Aggregation
+    from fedcomp.handoff_options import Aggregation
 
     a = settings.aggregation
     return Aggregation(

@@ -24,12 +24,12 @@ from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
 from clients.client_app import make_client_app
 from experiments.inprocess import NODE_IDS, InProcessGrid, Spy, initial_arrays, set_task_identity
-from fedcomp.aggregation import Aggregation
 from fedcomp.codecs import decode_bytes, make_codec
 from fedcomp.codecs.wire import HEADER_FIXED_BYTES
 from fedcomp.flower.mod import CompressionMod
 from fedcomp.flower.options import IdentityOptions, ServerOptions
 from fedcomp.flower.strategy import CompressedStrategy
+from fedcomp.handoff_options import Aggregation
 from fedcomp.keys import (
     KEY_NUM_EXAMPLES,
     KEY_STABLE_ID,
