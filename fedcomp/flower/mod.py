@@ -42,10 +42,10 @@ from fedcomp.downlink import Replica, ReplicaError
 from fedcomp.flower.encoding import (
     Instruction,
     encode_update,
+    only_record,
     payload_content,
     reply_metrics,
-    single,
-    update_of,
+    trained_update,
 )
 from fedcomp.flower.families import family_of
 from fedcomp.flower.identity import identity_reply, is_identity_message, stable_id_of
@@ -99,7 +99,7 @@ def _from_wrapper(msg: Message) -> bool:
     return any(KEY_SETTINGS in c or KEY_DOWNLINK in c for c in msg.content.config_records.values())
 
 
-def _held_header(digest: str | None, replica: Replica | None) -> dict[str, Any]:
+def _holdings_header(digest: str | None, replica: Replica | None) -> dict[str, Any]:
     """Reply header fields saying what this client holds: the message kinds this mod
     handles, the run settings' digest and the downlink replica (when the server uses
     them)."""
@@ -229,12 +229,12 @@ class CompressionMod:
         it was."""
         if is_identity_message(msg):  # first contact: answered here, no training
             return identity_reply(msg, ctxt, HANDLES)
-        held = self._settings_and_replica(msg, ctxt)
-        if isinstance(held, Message):  # a precondition failed: an error reply
-            return held
+        holdings = self._settings_and_replica(msg, ctxt)
+        if isinstance(holdings, Message):  # a precondition failed: an error reply
+            return holdings
         if msg.metadata.message_type == MessageType.EVALUATE:
-            return self._evaluate(msg, ctxt, call_next, held)
-        return self._train(msg, ctxt, call_next, held)
+            return self._evaluate(msg, ctxt, call_next, holdings)
+        return self._train(msg, ctxt, call_next, holdings)
 
     def _settings_and_replica(self, msg: Message, ctxt: Context) -> dict[str, Any] | Message:
         """What every instruction needs before the app runs: the run settings (restored
@@ -252,10 +252,10 @@ class CompressionMod:
         replica = self._take_downlink(msg, ctxt)
         if isinstance(replica, Message):  # the replica cannot be brought up to date
             return replica
-        return _held_header(digest, replica)
+        return _holdings_header(digest, replica)
 
     def _train(
-        self, msg: Message, ctxt: Context, call_next: _AppCall, held: dict[str, Any]
+        self, msg: Message, ctxt: Context, call_next: _AppCall, holdings: dict[str, Any]
     ) -> Message:
         """A train instruction: the app trains, its update is encoded (staging the
         codec's memory), and the reply carries the payloads; the memory is kept last."""
@@ -265,7 +265,7 @@ class CompressionMod:
         reply = call_next(msg, ctxt)
         if reply.has_error():
             return reply
-        deltas, metrics = update_of(reply, instruction.global_record)
+        deltas, metrics = trained_update(reply, instruction.global_record)
         t0 = time.perf_counter()
         encoded = encode_update(
             instruction, deltas, lambda: self._load_memory(msg, ctxt), fp32=self._fp32
@@ -289,7 +289,7 @@ class CompressionMod:
                 KEY_ROUND: instruction.round,
                 KEY_CODEC: json.dumps(instruction.codec.spec(), sort_keys=True),
                 **encoded.header,
-                **held,
+                **holdings,
             }
         )
         content = payload_content(encoded.payloads)
@@ -336,13 +336,14 @@ class CompressionMod:
 
     @staticmethod
     def _evaluate(
-        msg: Message, ctxt: Context, call_next: ClientAppCallable, held: dict[str, Any]
+        msg: Message, ctxt: Context, call_next: ClientAppCallable, holdings: dict[str, Any]
     ) -> Message:
         """Evaluate instructions: the app's handler on the restored config and the
         rebuilt model; the reply header says what this client holds."""
         reply = call_next(msg, ctxt)
-        if KEY_SETTINGS in held and not reply.has_error():
-            reply.content[RECORD_HEADER] = ConfigRecord({KEY_STABLE_ID: stable_id_of(ctxt), **held})
+        if KEY_SETTINGS in holdings and not reply.has_error():
+            header = {KEY_STABLE_ID: stable_id_of(ctxt), **holdings}
+            reply.content[RECORD_HEADER] = ConfigRecord(header)
         return reply
 
     def _read_instruction(self, msg: Message, ctxt: Context) -> Instruction | Message:
@@ -373,7 +374,9 @@ class CompressionMod:
                 msg,
                 f"CompressionMod: server expected stable id {expected}, this node is {stable_id}",
             )
-        _, global_record = single(msg.content.array_records, "ArrayRecord", "train instruction")
+        _, global_record = only_record(
+            msg.content.array_records, "ArrayRecord", "train instruction"
+        )
         try:  # the round's public plan, for families that have one (the joint code)
             plan = family_of(codec).read_plan(policy, config, global_record)
         except (ValueError, TypeError) as exc:

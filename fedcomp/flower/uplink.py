@@ -21,7 +21,7 @@ from flwr.app import Array, ArrayRecord, Message, MetricRecord
 
 from fedcomp.codecs import TensorPolicy
 from fedcomp.codecs.residual import SYNC_FULL, SYNC_RESTART
-from fedcomp.flower.accounting import count, record_bytes
+from fedcomp.flower.accounting import measure_and_record, record_bytes
 from fedcomp.flower.bounds import InfluenceBounds, drop_outliers
 from fedcomp.flower.budget import check_round_copies
 from fedcomp.flower.decoding import ReplyDecoder
@@ -118,7 +118,7 @@ class Uplink:
         for msg in replies:
             sid = self.stable_of(msg.metadata.src_node_id)
             row = state.per_client.setdefault(sid, empty_client_row(sid)) if sid is not None else {}
-            wire = count(state.traffic, Kind.TRAIN_REPLY, msg, client=sid)
+            wire = measure_and_record(state.traffic, Kind.TRAIN_REPLY, msg, client=sid)
             row["uplink_wire_bytes"] = row.get("uplink_wire_bytes", 0) + wire
             if msg.has_error():
                 count_error_reply(state, sid, msg)
