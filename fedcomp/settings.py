@@ -352,7 +352,7 @@ class Settings:
     #: fedcomp.rules.JOINT_MIN_CLIENTS clients a round; sparse codecs under a
     #: coordinate-wise median or trimmed mean); false runs them anyway.
     regime_check: bool = True
-    #: Fail a run whose model ends no better than it started (fedcomp.reporting): its
+    #: Fail a run whose model ends no better than it started (fedcomp.observers): its
     #: central loss not below the initial, or its accuracy not ``learning_margin``
     #: above the initial.
     learning_check: bool = True

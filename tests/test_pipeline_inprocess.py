@@ -474,7 +474,7 @@ def test_a_diverged_global_model_is_recorded_then_fails_the_run(tmp_path, monkey
     round line says DIVERGED, results.json is still written, and the run fails."""
     import strategies.server_app as server_app
     from fedcomp.failures import RunFailed
-    from fedcomp.results import load_results
+    from fedcomp.results_file import load_results
 
     real = server_app.make_evaluate_fn
 

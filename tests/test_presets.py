@@ -18,7 +18,7 @@ from experiments.inprocess import InProcessGrid
 from experiments.presets import compose_runs, preset_settings, run_inprocess, sweep_axes
 from experiments.run import CONF_DIR
 from experiments.runtime import PROJECT_ROOT
-from fedcomp.results import load_results
+from fedcomp.results_file import load_results
 from fedcomp.settings import Settings, settings_from_dict, validate
 from strategies.server_app import run_server
 

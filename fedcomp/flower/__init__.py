@@ -18,7 +18,7 @@ from fedcomp.flower.options import IdentityOptions, ServerOptions
 from fedcomp.flower.strategy import CompressedStrategy
 from fedcomp.handoff_options import Aggregation
 from fedcomp.influence import Influence
-from fedcomp.reporting import Reporting
+from fedcomp.observers import Reporting
 
 __all__ = [
     "Aggregation",

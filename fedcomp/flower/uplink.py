@@ -28,8 +28,8 @@ from fedcomp.flower.decoding import ReplyDecoder
 from fedcomp.flower.families import Family
 from fedcomp.flower.handoff import make_handoff
 from fedcomp.flower.options import ServerOptions
-from fedcomp.flower.records import account_reply, empty_client_row
 from fedcomp.flower.rejection import count_error_reply, drop_metric_misfits
+from fedcomp.flower.round_records import account_reply, empty_client_row
 from fedcomp.flower.round_state import Decoded, RoundState
 from fedcomp.keys import RECORD_PAYLOAD
 from fedcomp.traffic import Kind

@@ -24,7 +24,7 @@ from fedcomp.keys import (
     RECORD_PAYLOAD,
 )
 from fedcomp.progress import human_bytes
-from fedcomp.results import RoundCounts
+from fedcomp.results_file import RoundCounts
 from fedcomp.traffic import Kind, Traffic
 
 #: Client metrics copied into each client's row (without the "fedcomp." prefix).
@@ -115,7 +115,7 @@ def round_record(
     cv: ControlVariateServer | None,
     traffic: Traffic,
 ) -> dict[str, Any]:
-    """One round of results.json (fedcomp.results gives the shape)."""
+    """One round of results.json (fedcomp.results_file gives the shape)."""
     return {
         "round": server_round,
         "accuracy": central.get("accuracy"),
