@@ -23,12 +23,14 @@ $(STAMP): pyproject.toml constraints.txt
 run: $(STAMP)
 	$(PY) -m experiments.run
 
-## test: set up, then lint and the fast test suite in a shuffled order (pytest-randomly;
-## the seed is printed at the end, replay an order with `make test TEST_SEED=N`)
+## test: set up, then lint (ruff, vulture) and the fast test suite in a shuffled order
+## (pytest-randomly; the seed is printed at the end, replay an order with
+## `make test TEST_SEED=N`)
 # One call, Ray modules included: each module that starts Ray stops it, checks that the
 # processes it started are gone and ignores ones it did not start (tests/ray_processes.py).
 test: $(STAMP)
 	$(PY) -m ruff check .
+	$(PY) -m vulture
 	$(PY) -m pytest -m "not slow" -q -p randomly $(if $(TEST_SEED),--randomly-seed=$(TEST_SEED))
 
 ## test-slow: the slow tests
@@ -104,8 +106,10 @@ wheel: $(STAMP)
 	$(PY) -m pip wheel --no-deps --no-build-isolation -q -w dist .
 	@ls dist/fedcomp-*.whl
 
+## lint: ruff, then vulture for dead code (paths and whitelist: pyproject's [tool.vulture])
 lint: $(STAMP)
 	$(PY) -m ruff check .
+	$(PY) -m vulture
 
 clean:
 	rm -rf $(VENV) .flwr .ray outputs multirun .pytest_cache mutants

@@ -106,7 +106,7 @@ def run_quickstart(num_rounds: int = 3, num_nodes: int = 4) -> list[dict[str, An
 
         from experiments.inprocess import InProcessGrid
         from fedcomp.flower import CompressedStrategy
-        from fedcomp.reporting import Reporting
+        from fedcomp.observers import Reporting
     finally:
         sys.path.remove(str(example))
     run_config = {"local-epochs": 1, "lr": 0.1, "fraction-evaluate": 0.5}

@@ -32,10 +32,10 @@ from flwr.serverapp.strategy import FedAvg
 from experiments.inprocess import set_task_identity
 from experiments.memory import peak_rss, reset_peak_rss
 from experiments.runtime import emit
-from fedcomp.aggregation import Aggregation
 from fedcomp.flower import CompressedStrategy, CompressionMod
 from fedcomp.flower.identity import identity_reply, is_identity_message
 from fedcomp.flower.options import IdentityOptions, ServerOptions
+from fedcomp.handoff_options import Aggregation
 from fedcomp.trees.aggregate import TreeConfig
 
 SIGN = {"name": "sign", "block": 1024}

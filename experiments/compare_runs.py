@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from fedcomp.results import validate_results
+from fedcomp.results_file import validate_results
 
 
 def load_runs(directory: Path) -> dict[int, dict[str, Any]]:

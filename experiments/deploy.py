@@ -72,7 +72,7 @@ def split_cfg(cfg: DictConfig) -> tuple[DictConfig, DeploymentSettings]:
 def deploy(cfg: DictConfig, run_dir: Path, *, verbose: bool = False) -> dict[str, Any]:
     """Validate everything (before any process starts), deploy, run, stop; return results."""
     from experiments.deployment.launcher import Launch, launch
-    from fedcomp.flower.records import fmt, log_line
+    from fedcomp.flower.round_records import fmt, log_line
 
     run_cfg, deployment = split_cfg(cfg)
     settings = settings_from_cfg(run_cfg)

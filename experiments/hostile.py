@@ -26,10 +26,10 @@ from flwr.app import (
 from clients.client_app import make_client_app
 from experiments.inprocess import InProcessGrid, initial_arrays, set_task_identity
 from experiments.memory import address_space_cap, peak_rss, reset_peak_rss
-from fedcomp.aggregation import Aggregation
 from fedcomp.failures import Failure
 from fedcomp.flower.options import IdentityOptions, ServerOptions
 from fedcomp.flower.strategy import CompressedStrategy
+from fedcomp.handoff_options import Aggregation
 from fedcomp.keys import (
     KEY_CV_VERSION,
     KEY_NUM_EXAMPLES,

@@ -32,11 +32,6 @@ def virtual_size() -> int:
     return _status_kib("VmSize") * 1024
 
 
-def current_rss() -> int:
-    """Resident bytes now (VmRSS)."""
-    return _status_kib("VmRSS") * 1024
-
-
 def reset_peak_rss() -> bool:
     """Reset the kernel's peak-RSS mark to the current RSS (False when not allowed)."""
     try:

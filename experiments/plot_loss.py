@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedcomp.results import load_results
+from fedcomp.results_file import load_results
 
 
 def _name(config: dict) -> str:

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from fedcomp.results import load_results
+from fedcomp.results_file import load_results
 from fedcomp.settings import Settings, flatten, settings_to_dict
 
 #: Settings that differ per run without being part of the sweep.

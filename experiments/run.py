@@ -29,7 +29,7 @@ log = logging.getLogger("experiments.run")
 
 #: Hydra launchers that live in an extra: launcher name prefix -> (plugin module, extra).
 LAUNCHER_EXTRAS = {"submitit_": ("hydra_plugins.hydra_submitit_launcher", "slurm")}
-#: Launchers that are not supported, and why (docs/sweeps.md).
+#: Launchers that are not supported, and why (docs/scale.md, "Sweeps on Slurm").
 UNSUPPORTED_LAUNCHERS = {
     "ray": "hydra-ray-launcher 1.2.2 pins cloudpickle<3, which conflicts with the pinned "
     "dependencies, and runs each job as a Ray task inside which Flower's own Ray use "

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from fedcomp.codecs.base import Codec
-from fedcomp.codecs.policy import TensorPolicy
+from fedcomp.codecs.policy import TensorPolicy, encode_all
 from fedcomp.codecs.residual import (
     SYNC_FULL,
     SYNC_NORMAL,
@@ -36,6 +36,7 @@ from fedcomp.codecs.residual import (
     apply_residual,
     state_checksum,
 )
+from fedcomp.codecs.wire import Payload
 from fedcomp.failures import Failure, Rejection
 from fedcomp.keys import (
     KEY_CV_CHECKSUM,
@@ -93,19 +94,18 @@ def encode_residual(
     fp32: Codec,
 ) -> tuple[dict[str, bytes], dict[str, np.ndarray], dict[str, float]]:
     """Encode delta - h on the covered tensors (h = 0 where absent); the other tensors
-    as the policy says. Returns the payloads, the h each covered tensor leads to, and
-    the statistics (||delta - h||^2, ||delta||^2, the noise, omega ||r||^2). ``full``
-    sends the covered tensors in ``fp32`` and sets h = delta (alpha = 1)."""
-    payloads, pending = {}, {}
+    as the policy says (raw ones never against h). Returns the payloads, the h each
+    covered tensor leads to, and the statistics (||delta - h||^2, ||delta||^2, the
+    noise, omega ||r||^2). ``full`` sends the covered tensors in ``fp32`` and sets
+    h = delta (alpha = 1)."""
+    pending: dict[str, np.ndarray] = {}
     stats = dict.fromkeys(
         (METRIC_CV_RESIDUAL, METRIC_CV_DELTA, METRIC_CV_NOISE, METRIC_CV_BOUND), 0.0
     )
-    for name, delta in deltas.items():
-        if name not in covered:
-            payloads[name] = bytes(
-                policy.codec_for(delta, memory.inner).encode(delta, seed=seeds[name])
-            )
-            continue
+
+    def compress(name: str, delta: torch.Tensor) -> Payload:
+        if name not in covered:  # compressed, but not under the control variate
+            return memory.inner.encode(delta, seed=seeds[name])
         delta_np = delta.to(torch.float32).numpy()
         delta2 = float(np.square(delta_np, dtype=np.float64).sum())
         stats[METRIC_CV_DELTA] += delta2
@@ -122,7 +122,9 @@ def encode_residual(
             stats[METRIC_CV_RESIDUAL] += r2
             stats[METRIC_CV_NOISE] += float(np.square(r_hat - r, dtype=np.float64).sum())
             stats[METRIC_CV_BOUND] += memory.noise_bound(r2, delta.numel())
-        payloads[name] = bytes(payload)
+        return payload
+
+    payloads = encode_all(memory.inner, policy, deltas, seeds, compress)
     return payloads, pending, stats
 
 
@@ -245,15 +247,6 @@ class ControlVariateServer:
         self.store = store or MirrorStore()
         #: Clients that must send a full-precision resync in their next reply.
         self.resync_requested: set[int] = set()
-
-    def reconstruct(
-        self, stable_id: int, decoded: Mapping[str, np.ndarray], **protocol: Any
-    ) -> dict[str, np.ndarray]:
-        """:meth:`prepare` (same arguments) then :meth:`commit`: the update, with the
-        mirror moved."""
-        ghat, pending = self.prepare(stable_id, decoded, **protocol)
-        self.commit(pending)
-        return ghat
 
     def prepare(
         self,

@@ -109,4 +109,3 @@ FAULT_REASON_PREFIX = "fault injection: "
 #: Node-config keys a SuperNode may carry to name its stable id.
 NODE_CONFIG_STABLE_ID = "stable-id"
 NODE_CONFIG_PARTITION_ID = "partition-id"
-NODE_CONFIG_NUM_PARTITIONS = "num-partitions"

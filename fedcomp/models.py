@@ -25,13 +25,9 @@ import math
 import torch
 from torch import nn
 
-from fedcomp.data.sources import CATALOG, spec_of
+from fedcomp.data.sources import spec_of
 from fedcomp.rng import torch_generator
 from fedcomp.settings import ModelSettings
-
-#: Input and output sizes of each dataset (flattened), kept for callers that size
-#: their own models; the catalog has the full shapes.
-DATASET_SHAPES = {name: (math.prod(s.shape), s.num_classes) for name, s in CATALOG.items()}
 
 
 class MLP(nn.Sequential):

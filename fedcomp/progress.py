@@ -55,10 +55,12 @@ def eta_seconds(done: int, total: int, first_round_end: float, now: float) -> fl
     return (now - first_round_end) / (done - 1) * (total - done)
 
 
-def human_bytes(num_bytes: int) -> str:
+def human_bytes(num_bytes: int, decimals: int = 1) -> str:
+    """Bytes in decimal units for a person (results.json keeps exact integers); the
+    progress line shows one decimal, the per-round log line three."""
     for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if num_bytes >= size:
-            return f"{num_bytes / size:.1f} {unit}"
+            return f"{num_bytes / size:.{decimals}f} {unit}"
     return f"{num_bytes} B"
 
 

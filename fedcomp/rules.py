@@ -131,6 +131,20 @@ def check_server_options(
     ValueError
         ``invalid setting <key>=<value>: <what is allowed>``.
     """
+    _check_handoff(codec_name, handoff, strategy_name, trees)
+    _check_fraction("fraction_train", fraction_train, allow_zero=False)
+    _check_fraction("fraction_evaluate", fraction_evaluate, allow_zero=True)
+    _check_factor("aggregation.weight_cap", weight_cap)
+    _check_factor("aggregation.norm_cap", norm_cap)
+    _check_factor("aggregation.reject_factor", reject_factor)
+    # Past 2^53 (9e15) float64 weights stop being exact integers.
+    if not (isinstance(max_num_examples, int | float) and 1 <= max_num_examples <= 1e15):
+        fail("aggregation.max_num_examples", max_num_examples, "must be a number in [1, 1e15]")
+
+
+def _check_handoff(codec_name: str, handoff: str, strategy_name: str, trees: Any) -> None:
+    """The hand-off against what it hands over: a mean needs a mean-based strategy, a
+    joint code needs the mean, reduction trees need a mean they sum themselves."""
     if handoff not in HANDOFFS:
         fail("aggregation.handoff", handoff, f"allowed: {', '.join(HANDOFFS)}")
     pre = handoff == "pre_aggregated"
@@ -168,11 +182,3 @@ def check_server_options(
             "sums the answers itself, in float64; leave the aggregation.* tree options "
             "at their defaults",
         )
-    _check_fraction("fraction_train", fraction_train, allow_zero=False)
-    _check_fraction("fraction_evaluate", fraction_evaluate, allow_zero=True)
-    _check_factor("aggregation.weight_cap", weight_cap)
-    _check_factor("aggregation.norm_cap", norm_cap)
-    _check_factor("aggregation.reject_factor", reject_factor)
-    # Past 2^53 (9e15) float64 weights stop being exact integers.
-    if not (isinstance(max_num_examples, int | float) and 1 <= max_num_examples <= 1e15):
-        fail("aggregation.max_num_examples", max_num_examples, "must be a number in [1, 1e15]")

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Union
 from fedcomp.rules import check_codec_regime, check_learnable, check_server_options, fail
 
 if TYPE_CHECKING:  # a runtime import would load torch for every settings user
-    from fedcomp.aggregation import Aggregation
+    from fedcomp.handoff_options import Aggregation
     from fedcomp.influence import Influence
     from fedcomp.trees.aggregate import TreeConfig
 
@@ -42,6 +42,12 @@ MODELS = ("mlp", "cnn", "resnet18", "niid_cnn")
 DEVICES = ("auto", "cpu", "cuda")
 PROGRESS = ("auto", "bar", "log", "off")
 CLIENT_STATES = ("memory", "disk")
+TREES = ("sum", "sequential", "balanced", "blocked", "huffman", "greedy", "adaptive")
+STATS = ("current", "ema")
+TREE_DTYPES = ("fp32", "bf16", "fp16")
+#: The inner strategies a run can name: Flower's classes of these names, lowercased
+#: (strategies/inner.py takes them from fedcomp.flower.inner_state, which checkpoints
+#: them); the core names them without importing flwr.
 STRATEGIES = (
     "fedavg",
     "fedavgm",
@@ -173,19 +179,44 @@ class PolicySettings:
 
 
 @dataclass
-class AggregationSettings:
-    """How decoded client updates reach the inner Flower strategy."""
+class TreeOptions:
+    """The reduction tree's options (``aggregation.*``), declared once: the run
+    settings (:class:`AggregationSettings`) and the server's
+    ``fedcomp.trees.aggregate.TreeConfig`` both extend it. Pre-aggregated mode: the
+    reduction tree, its dtype, and its statistics."""
 
-    handoff: str = "per_client"
-    #: Residual memory: a directory for the control-variate mirrors ("" = in memory).
-    mirror_dir: str = ""
-    #: Pre-aggregated mode: the reduction tree, its dtype, and its statistics.
     tree: str = "sum"
     dtype: str = "fp32"
     root_fp32: bool = False
     chunk_size: int = 65536
     refresh_rounds: int = 1
     stats: str = "current"
+
+    def check_tree_options(self) -> None:
+        """Raise ``ValueError`` naming the ``aggregation.*`` key, its value and what is
+        allowed."""
+        if self.tree not in TREES:
+            raise ValueError(f"aggregation.tree={self.tree!r}; allowed: {', '.join(TREES)}")
+        if self.dtype not in TREE_DTYPES:
+            raise ValueError(
+                f"aggregation.dtype={self.dtype!r}; allowed: {', '.join(TREE_DTYPES)}"
+            )
+        if self.chunk_size < 1:
+            raise ValueError(f"aggregation.chunk_size={self.chunk_size!r}: must be >= 1")
+        if self.refresh_rounds < 1:
+            raise ValueError(f"aggregation.refresh_rounds={self.refresh_rounds!r}: must be >= 1")
+        if self.stats not in STATS:
+            raise ValueError(f"aggregation.stats={self.stats!r}; allowed: {', '.join(STATS)}")
+
+
+@dataclass
+class AggregationSettings(TreeOptions):
+    """How decoded client updates reach the inner Flower strategy (the reduction tree's
+    options: :class:`TreeOptions`)."""
+
+    handoff: str = "per_client"
+    #: Residual memory: a directory for the control-variate mirrors ("" = in memory).
+    mirror_dir: str = ""
     #: Bounded influence: a client's reported num-examples is capped at this multiple
     #: of the round's median report (0 = no cap), so no client dominates the mean.
     weight_cap: float = 0.0
@@ -321,7 +352,7 @@ class Settings:
     #: fedcomp.rules.JOINT_MIN_CLIENTS clients a round; sparse codecs under a
     #: coordinate-wise median or trimmed mean); false runs them anyway.
     regime_check: bool = True
-    #: Fail a run whose model ends no better than it started (fedcomp.reporting): its
+    #: Fail a run whose model ends no better than it started (fedcomp.observers): its
     #: central loss not below the initial, or its accuracy not ``learning_margin``
     #: above the initial.
     learning_check: bool = True
@@ -439,44 +470,9 @@ def validate(settings: Settings) -> Settings:
     naming the key, the value and what is allowed.
     """
     s = settings
-    if s.num_rounds <= 0:
-        _fail("num_rounds", s.num_rounds, "must be a positive integer")
-    if s.num_clients <= 0:
-        _fail("num_clients", s.num_clients, "must be a positive integer")
-    if s.seed < 0:
-        _fail("seed", s.seed, "must be a non-negative integer")
-    _check_choice("progress", s.progress, PROGRESS)
-    _check_choice("client_state", s.client_state, CLIENT_STATES)
-    if s.client_state == "disk" and not s.client_state_dir:
-        _fail(
-            "client_state",
-            s.client_state,
-            "keeps client state only in files: set client_state_dir=<dir> too "
-            "(experiments.run sets it to <run dir>/client_state)",
-        )
-    for group in (s.dataset, s.partition, s.model, s.train, s.policy, s.faults, s.simulation):
-        group.check()
-    if s.partition.name == "natural" and s.dataset.name != "femnist":
-        _fail(
-            "partition.name",
-            s.partition.name,
-            f"a natural (per-writer) partition needs writer ids, which only femnist has "
-            f"(dataset.name={s.dataset.name!r}): use dirichlet, pathological or iid",
-        )
-    if "name" not in s.codec:
-        _fail("codec", s.codec, "a codec spec needs a 'name'")
-    from fedcomp.downlink import parse_downlink  # the codecs (torch) only when checking
-
-    parse_downlink(s.downlink)  # names downlink.<key>, the value and what is allowed
-    if "name" not in s.strategy:
-        _fail("strategy", s.strategy, "a strategy spec needs a 'name'")
-    _check_choice("strategy.name", s.strategy["name"], STRATEGIES)
-    check_codec_regime(
-        str(s.codec["name"]),
-        max(1, int(s.fraction_train * s.num_clients)),  # the wrapper's count (Flower's)
-        regime_check=s.regime_check,
-    )
-    check_learnable(s.codec, str(s.strategy["name"]), regime_check=s.regime_check)
+    _check_run_values(s)
+    _check_groups(s)
+    _check_specs(s)
     if not 0 <= s.learning_margin < 1:
         _fail("learning_margin", s.learning_margin, "must be in [0, 1)")
     if not (math.isfinite(s.identity_reply_timeout) and s.identity_reply_timeout > 0):
@@ -495,6 +491,56 @@ def validate(settings: Settings) -> Settings:
         max_num_examples=a.max_num_examples,
     )
     return s
+
+
+def _check_run_values(s: Settings) -> None:
+    """The run's own scalars: sizes, seed, display, and where client state lives."""
+    if s.num_rounds <= 0:
+        _fail("num_rounds", s.num_rounds, "must be a positive integer")
+    if s.num_clients <= 0:
+        _fail("num_clients", s.num_clients, "must be a positive integer")
+    if s.seed < 0:
+        _fail("seed", s.seed, "must be a non-negative integer")
+    _check_choice("progress", s.progress, PROGRESS)
+    _check_choice("client_state", s.client_state, CLIENT_STATES)
+    if s.client_state == "disk" and not s.client_state_dir:
+        _fail(
+            "client_state",
+            s.client_state,
+            "keeps client state only in files: set client_state_dir=<dir> too "
+            "(experiments.run sets it to <run dir>/client_state)",
+        )
+
+
+def _check_groups(s: Settings) -> None:
+    """Each settings group checks itself; then the partition against the dataset."""
+    for group in (s.dataset, s.partition, s.model, s.train, s.policy, s.faults, s.simulation):
+        group.check()
+    if s.partition.name == "natural" and s.dataset.name != "femnist":
+        _fail(
+            "partition.name",
+            s.partition.name,
+            f"a natural (per-writer) partition needs writer ids, which only femnist has "
+            f"(dataset.name={s.dataset.name!r}): use dirichlet, pathological or iid",
+        )
+
+
+def _check_specs(s: Settings) -> None:
+    """The codec, downlink and strategy specs, then the codec in its regime (fedcomp.rules)."""
+    if "name" not in s.codec:
+        _fail("codec", s.codec, "a codec spec needs a 'name'")
+    from fedcomp.downlink import parse_downlink  # the codecs (torch) only when checking
+
+    parse_downlink(s.downlink)  # names downlink.<key>, the value and what is allowed
+    if "name" not in s.strategy:
+        _fail("strategy", s.strategy, "a strategy spec needs a 'name'")
+    _check_choice("strategy.name", s.strategy["name"], STRATEGIES)
+    check_codec_regime(
+        str(s.codec["name"]),
+        max(1, int(s.fraction_train * s.num_clients)),  # the wrapper's count (Flower's)
+        regime_check=s.regime_check,
+    )
+    check_learnable(s.codec, str(s.strategy["name"]), regime_check=s.regime_check)
 
 
 def _check_model_widths(model: ModelSettings) -> None:
@@ -519,19 +565,12 @@ def tree_config(settings: Settings) -> TreeConfig:
     from fedcomp.trees.aggregate import TreeConfig
 
     a = settings.aggregation
-    return TreeConfig(
-        tree=a.tree,
-        dtype=a.dtype,
-        root_fp32=a.root_fp32,
-        chunk_size=a.chunk_size,
-        refresh_rounds=a.refresh_rounds,
-        stats=a.stats,
-    )
+    return TreeConfig(**{f.name: getattr(a, f.name) for f in dataclasses.fields(TreeOptions)})
 
 
 def aggregation_of(settings: Settings) -> Aggregation:
     """The wrapper's aggregation settings object (hand-off, tree, mirrors)."""
-    from fedcomp.aggregation import Aggregation
+    from fedcomp.handoff_options import Aggregation
 
     a = settings.aggregation
     return Aggregation(

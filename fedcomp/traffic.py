@@ -27,8 +27,6 @@ class Kind(StrEnum):
 
 #: The kinds of the train traffic, both ways (``train_ratio_vs_fp32``).
 TRAIN_KINDS = (Kind.TRAIN_INSTRUCTION, Kind.TRAIN_REPLY)
-#: Kinds the server sends (the rest are the clients' replies).
-DOWNLINK_KINDS = (Kind.TRAIN_INSTRUCTION, Kind.EVALUATE_INSTRUCTION, Kind.IDENTITY_QUERY)
 
 
 @dataclass

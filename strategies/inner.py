@@ -6,28 +6,16 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
-from flwr.serverapp.strategy import (
-    FedAdagrad,
-    FedAdam,
-    FedAvg,
-    FedAvgM,
-    FedMedian,
-    FedProx,
-    FedTrimmedAvg,
-    FedYogi,
-    Strategy,
-)
+from flwr.serverapp.strategy import Strategy
 
-INNER_STRATEGIES: dict[str, type[Strategy]] = {
-    "fedavg": FedAvg,
-    "fedavgm": FedAvgM,
-    "fedprox": FedProx,
-    "fedadam": FedAdam,
-    "fedyogi": FedYogi,
-    "fedadagrad": FedAdagrad,
-    "fedmedian": FedMedian,
-    "fedtrimmedavg": FedTrimmedAvg,
-}
+from fedcomp.flower.inner_state import STATE_ATTRIBUTES
+from fedcomp.settings import STRATEGIES
+
+_CHECKPOINTED = {cls.__name__.lower(): cls for cls in STATE_ATTRIBUTES}
+#: The strategy each name of fedcomp.settings.STRATEGIES builds: the Flower class of
+#: that name, lowercased, among those fedcomp.flower.inner_state can checkpoint (a name
+#: without one is a KeyError here, at import).
+INNER_STRATEGIES: dict[str, type[Strategy]] = {name: _CHECKPOINTED[name] for name in STRATEGIES}
 
 #: Sampling belongs to the wrapper (seeded, over stable ids): these are set here.
 _MANAGED = {

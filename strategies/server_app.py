@@ -25,12 +25,12 @@ from fedcomp.data import server_test_set
 from fedcomp.diagnostics import aggregate_error
 from fedcomp.failures import RunFailed
 from fedcomp.flower.options import IdentityOptions, ServerOptions
-from fedcomp.flower.records import fmt
+from fedcomp.flower.round_records import fmt
 from fedcomp.flower.strategy import CompressedStrategy
 from fedcomp.models import build_model
+from fedcomp.observers import Reporting
 from fedcomp.progress import ProgressReporter
-from fedcomp.reporting import Reporting
-from fedcomp.results import build_results, write_results
+from fedcomp.results_file import build_results, write_results
 from fedcomp.rules import check_codec_regime, check_learnable
 from fedcomp.settings import (
     Settings,

@@ -18,7 +18,7 @@ from fedcomp.data import (
     split_rows,
 )
 from fedcomp.models import build_model, num_parameters
-from fedcomp.results import ResultsError, build_results, validate_results
+from fedcomp.results_file import ResultsError, build_results, validate_results
 from fedcomp.settings import ModelSettings, Settings, settings_from_dict
 
 

@@ -46,7 +46,7 @@ from experiments.deployment.tap import read_log, summarise
 from experiments.inprocess import InProcessGrid
 from experiments.run import settings_from_cfg
 from experiments.runtime import PROJECT_ROOT
-from fedcomp.results import load_results
+from fedcomp.results_file import load_results
 from fedcomp.settings import Settings, settings_from_dict, settings_from_run_config
 
 FLOWER_NAMES = ("flower-superlink", "flower-supernode", "flower-superexec", "flwr-")

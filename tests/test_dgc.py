@@ -48,7 +48,7 @@ def test_momentum_correction_and_factor_masking_follow_their_definitions() -> No
     u = torch.randn(1200, generator=torch.Generator().manual_seed(1))
     v = torch.randn(1200, generator=torch.Generator().manual_seed(2))
     delta = torch.randn(1200, generator=torch.Generator().manual_seed(3))
-    payload, new_u, new_v, encoded = memory.encode(delta, u, v, seed=5, server_round=9)
+    payload, new_v, new_u, encoded = memory.encode_tensor(delta, v, u, seed=5, server_round=9)
     sent = decode_bytes(bytes(payload))
     want_u = m * u + delta
     want_v = v + want_u
@@ -62,10 +62,12 @@ def test_clipping_bounds_the_accumulated_update_by_this_rounds_norm() -> None:
     memory = make_codec("dgc", momentum=0.9, clip=1.5, **INNER)
     delta = torch.randn(1000, generator=torch.Generator().manual_seed(4))
     big = 50 * torch.randn(1000, generator=torch.Generator().manual_seed(5))
-    _, _, _, encoded = memory.encode(delta, big, big, seed=1, server_round=3)
+    encoded = memory.encode_tensor(delta, big, big, seed=1, server_round=3).encoded
     assert float(encoded.norm()) <= 1.5 * float(delta.norm()) * (1 + 1e-6)
-    _, _, _, unclipped = make_codec("dgc", momentum=0.9, **INNER).encode(
-        delta, big, big, seed=1, server_round=3
+    unclipped = (
+        make_codec("dgc", momentum=0.9, **INNER)
+        .encode_tensor(delta, big, big, seed=1, server_round=3)
+        .encoded
     )
     assert float(unclipped.norm()) > 10 * float(delta.norm())
 

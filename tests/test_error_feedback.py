@@ -16,7 +16,7 @@ from fedcomp.flower.options import ServerOptions
 from fedcomp.flower.strategy import CompressedStrategy
 from fedcomp.keys import KEY_STABLE_ID, RECORD_HEADER, RECORD_PAYLOAD
 from fedcomp.models import build_model
-from fedcomp.reporting import Reporting
+from fedcomp.observers import Reporting
 from fedcomp.settings import settings_from_dict
 from strategies.inner import make_inner_strategy
 from strategies.server_app import client_task

@@ -12,11 +12,11 @@ from flwr.app import Array, ArrayRecord, Message, RecordDict
 
 from clients.client_app import make_client_app
 from experiments.inprocess import InProcessGrid, Spy, initial_arrays
-from fedcomp.aggregation import Aggregation
 from fedcomp.codecs import TensorPolicy
 from fedcomp.flower.families.joint import joint_names
 from fedcomp.flower.options import IdentityOptions, ServerOptions
 from fedcomp.flower.strategy import CompressedStrategy
+from fedcomp.handoff_options import Aggregation
 from fedcomp.keys import (
     KEY_JOINT_CLIENTS,
     KEY_JOINT_INDEX,

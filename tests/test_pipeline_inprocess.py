@@ -24,12 +24,12 @@ from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
 from clients.client_app import make_client_app
 from experiments.inprocess import NODE_IDS, InProcessGrid, Spy, initial_arrays, set_task_identity
-from fedcomp.aggregation import Aggregation
 from fedcomp.codecs import decode_bytes, make_codec
 from fedcomp.codecs.wire import HEADER_FIXED_BYTES
 from fedcomp.flower.mod import CompressionMod
 from fedcomp.flower.options import IdentityOptions, ServerOptions
 from fedcomp.flower.strategy import CompressedStrategy
+from fedcomp.handoff_options import Aggregation
 from fedcomp.keys import (
     KEY_NUM_EXAMPLES,
     KEY_STABLE_ID,
@@ -474,7 +474,7 @@ def test_a_diverged_global_model_is_recorded_then_fails_the_run(tmp_path, monkey
     round line says DIVERGED, results.json is still written, and the run fails."""
     import strategies.server_app as server_app
     from fedcomp.failures import RunFailed
-    from fedcomp.results import load_results
+    from fedcomp.results_file import load_results
 
     real = server_app.make_evaluate_fn
 

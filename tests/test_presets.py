@@ -19,7 +19,7 @@ from experiments.presets import compose_runs, preset_settings, run_inprocess, sw
 from experiments.report import main as report_main
 from experiments.run import CONF_DIR
 from experiments.runtime import PROJECT_ROOT
-from fedcomp.results import load_results
+from fedcomp.results_file import load_results
 from fedcomp.settings import Settings, settings_from_dict, validate
 from strategies.server_app import run_server
 

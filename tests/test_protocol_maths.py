@@ -22,7 +22,6 @@ from flwr.app import Message
 
 from clients.client_app import make_client_app
 from experiments.inprocess import InProcessGrid, Spy, initial_arrays
-from fedcomp.aggregation import Aggregation
 from fedcomp.codecs import TensorPolicy, decode_bytes, make_codec, parse_payload
 from fedcomp.codecs.residual import SYNC_NORMAL, SYNC_RESTART
 from fedcomp.downlink import BroadcastServer, parse_downlink
@@ -30,6 +29,7 @@ from fedcomp.flower.families.joint import joint_names
 from fedcomp.flower.memory_state import load_memory
 from fedcomp.flower.options import IdentityOptions, ServerOptions
 from fedcomp.flower.strategy import CompressedStrategy
+from fedcomp.handoff_options import Aggregation
 from fedcomp.keys import (
     KEY_CV_VERSION,
     KEY_JOINT_CLIENTS,

@@ -28,6 +28,16 @@ def _residual(**params) -> ResidualMemory:
     return memory
 
 
+def _accept(
+    server: ControlVariateServer, stable_id: int, decoded: dict, **protocol
+) -> dict[str, np.ndarray]:
+    """What the wrapper does with an accepted reply: prepare the update, then commit
+    the mirror it leads to."""
+    ghat, pending = server.prepare(stable_id, decoded, **protocol)
+    server.commit(pending)
+    return ghat
+
+
 def _rounding_variance(r: np.ndarray, *, bits: int, block: int) -> float:
     """E||Q(r) - r||^2 of stochastic uniform rounding, from its definition: per block a
     grid of step 2 max|r| / (2^b - 1) from -max|r|, a coordinate at fractional
@@ -127,12 +137,13 @@ def test_quadratic_federated_problem_noise_follows_the_residual() -> None:
         for m in range(clients):
             delta = (-lr * (x - b[m])).astype(np.float32)
             if hs[m] is None:  # first contact: resync with the full update
-                ghat = server.reconstruct(m, {"w": delta}, version=0, checksum="", sync=SYNC_FULL)
+                ghat = _accept(server, m, {"w": delta}, version=0, checksum="", sync=SYNC_FULL)
                 hs[m], versions[m] = delta.copy(), 1
             else:
                 r = delta - hs[m]
                 payload, r_hat = memory.encode(torch.from_numpy(delta), hs[m], seed=97 * t + m)
-                ghat = server.reconstruct(
+                ghat = _accept(
+                    server,
                     m,
                     {"w": memory.inner.decode(payload).numpy()},
                     version=versions[m],
@@ -172,16 +183,12 @@ def test_mismatches_ask_for_a_resync_and_decode_nothing() -> None:
         {"version": 5, "checksum": "0" * 16},
     ):
         with pytest.raises(ResyncRequired, match="resync requested"):
-            server.reconstruct(3, {"w": np.zeros(8, np.float32)}, sync=SYNC_NORMAL, **kwargs)
+            _accept(server, 3, {"w": np.zeros(8, np.float32)}, sync=SYNC_NORMAL, **kwargs)
         assert server.store.get(3).version == 5  # the mirror is untouched
     with pytest.raises(ResyncRequired, match="no control variate"):
-        server.reconstruct(
-            9, {"w": np.zeros(8, np.float32)}, version=1, checksum="", sync=SYNC_NORMAL
-        )
+        _accept(server, 9, {"w": np.zeros(8, np.float32)}, version=1, checksum="", sync=SYNC_NORMAL)
     assert server.resync_requested == {3, 9}
-    server.reconstruct(
-        3, {"w": np.full(8, 2.0, np.float32)}, version=0, checksum="", sync=SYNC_FULL
-    )
+    _accept(server, 3, {"w": np.full(8, 2.0, np.float32)}, version=0, checksum="", sync=SYNC_FULL)
     assert server.resync_requested == {9}
     assert server.store.get(3).version == 1 and np.array_equal(
         server.store.get(3).arrays["w"], np.full(8, 2.0)
@@ -208,13 +215,13 @@ def test_a_restart_decodes_against_zero_and_cannot_dodge_a_requested_resync() ->
     memory = _residual(inner="uniform", bits=4, block=8)
     server = ControlVariateServer(memory)
     r_hat = np.linspace(-1, 1, 16).astype(np.float32)
-    ghat = server.reconstruct(4, {"w": r_hat}, version=0, checksum="none", sync=SYNC_RESTART)
+    ghat = _accept(server, 4, {"w": r_hat}, version=0, checksum="none", sync=SYNC_RESTART)
     assert np.array_equal(ghat["w"], r_hat)  # h = 0: the update is the decoded residual
     mirror = server.store.get(4)
     assert mirror.version == 1
     assert np.array_equal(mirror.arrays["w"], apply_residual(None, r_hat, memory.alpha_for(16)))
     server.resync_requested.add(4)
     with pytest.raises(ResyncRequired, match="full-precision"):
-        server.reconstruct(4, {"w": r_hat}, version=0, checksum="none", sync=SYNC_RESTART)
+        _accept(server, 4, {"w": r_hat}, version=0, checksum="none", sync=SYNC_RESTART)
     with pytest.raises(ValueError, match="bootstrap"):
         make_codec("residual", inner="uniform", bootstrap="ones")

@@ -322,9 +322,10 @@ def test_a_server_restored_from_its_state_has_its_mirrors_and_resync_requests() 
     h = restored.store.get(3).arrays["a"]
     assert np.array_equal(h, saved)
     r_hat = np.full((2, 3), 0.25, np.float32)
-    ghat = restored.reconstruct(
+    ghat, pending = restored.prepare(
         3, {"a": r_hat}, version=5, checksum=state_checksum({"a": h}), sync=SYNC_NORMAL
     )
+    restored.commit(pending)
     assert np.array_equal(ghat["a"], h + r_hat) and restored.store.get(3).version == 6
     with pytest.raises(ResyncRequired, match="full-precision"):
         restored.prepare(6, {"a": r_hat}, version=0, checksum="none", sync=SYNC_RESTART)

@@ -19,7 +19,7 @@ from experiments.runtime import PROJECT_ROOT
 from experiments.simulate import simulate
 from fedcomp.codecs.wire import HEADER_FIXED_BYTES
 from fedcomp.models import build_model
-from fedcomp.results import load_results
+from fedcomp.results_file import load_results
 from fedcomp.settings import Settings, settings_from_dict
 from tests.ray_processes import await_no_new_ray_processes, ray_processes
 

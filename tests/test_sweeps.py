@@ -13,7 +13,7 @@ import pytest
 
 from experiments.run import check_launcher
 from experiments.runtime import PROJECT_ROOT
-from fedcomp.results import load_results
+from fedcomp.results_file import load_results
 
 pytestmark = pytest.mark.simulation
 

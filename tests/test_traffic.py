@@ -13,7 +13,7 @@ from flwr.app import MessageType
 
 from clients.client_app import make_client_app
 from experiments.inprocess import InProcessGrid
-from fedcomp.results import build_results, round_sum
+from fedcomp.results_file import build_results, round_sum
 from fedcomp.settings import settings_from_dict
 from fedcomp.traffic import Kind
 from strategies.server_app import run_server

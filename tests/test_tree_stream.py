@@ -8,8 +8,9 @@ import itertools
 import numpy as np
 import pytest
 
+from fedcomp.settings import TREES
 from fedcomp.trees import balanced_tree, blocked_tree, huffman_tree, sequential_tree
-from fedcomp.trees.aggregate import TREES, TreeConfig, TreeStats, tree_mean
+from fedcomp.trees.aggregate import TreeConfig, TreeStats, tree_mean
 from fedcomp.trees.stream import (
     evaluation_order,
     fewest_live_order,

@@ -58,7 +58,7 @@ from experiments.deployment.settings import (
 )
 from experiments.deployment.socket_count import CountingProxy, socket_section
 from experiments.runtime import PROJECT_ROOT
-from fedcomp.results import ResultsError, load_results, write_results
+from fedcomp.results_file import ResultsError, load_results, write_results
 from fedcomp.settings import Settings, validate
 
 log = logging.getLogger("experiments.deployment")

@@ -108,22 +108,33 @@ def make_codec(name: str, **params: Any) -> Codec | Memory | Any:
         return EntropyCodec(make_codec(name, **params), method=method, level=level)
     if name == RotatedCodec.name:
         return _make_rotated(params)
+    if name in MEMORIES or name == PowerSGDMemory.name:
+        return _make_memory(name, params)
+    return _make_stateless(name, params)
+
+
+def _make_memory(name: str, params: dict[str, Any]) -> Memory:
+    """A memory: its own keys, the rest go to the inner codec it keeps state around
+    (PowerSGD's codec is fixed: it takes only its rank)."""
     if name == PowerSGDMemory.name:
         _check_params(name, params, {"rank"})
         return PowerSGDMemory(**params)
-    if name in MEMORIES:
-        inner = params.pop("inner", None)
-        if not isinstance(inner, str) or inner in MEMORIES:
-            raise ValueError(f"{name} needs inner=<codec name>, got inner={inner!r}")
-        if name == "ef":
-            return ErrorFeedback(make_codec(inner, **params))
-        if name == "dgc":
-            keys = ("momentum", "clip", "warmup_rounds", "warmup_start")
-            options = {k: params.pop(k) for k in keys if k in params}
-            return DGCMemory(make_codec(inner, **params), **options)
-        alpha = params.pop("alpha", None)
-        bootstrap = params.pop("bootstrap", "zero")
-        return ResidualMemory(make_codec(inner, **params), alpha=alpha, bootstrap=bootstrap)
+    inner = params.pop("inner", None)
+    if not isinstance(inner, str) or inner in MEMORIES:
+        raise ValueError(f"{name} needs inner=<codec name>, got inner={inner!r}")
+    if name == "ef":
+        return ErrorFeedback(make_codec(inner, **params))
+    if name == "dgc":
+        keys = ("momentum", "clip", "warmup_rounds", "warmup_start")
+        options = {k: params.pop(k) for k in keys if k in params}
+        return DGCMemory(make_codec(inner, **params), **options)
+    alpha = params.pop("alpha", None)
+    bootstrap = params.pop("bootstrap", "zero")
+    return ResidualMemory(make_codec(inner, **params), alpha=alpha, bootstrap=bootstrap)
+
+
+def _make_stateless(name: str, params: dict[str, Any]) -> Codec:
+    """A registered stateless codec, given only the parameters its constructor names."""
     try:
         cls = codec_class(name)
     except ValueError:

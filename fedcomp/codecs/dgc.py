@@ -30,8 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fedcomp.codecs.base import Codec
-from fedcomp.codecs.memory import TensorStateMemory
-from fedcomp.codecs.wire import Payload
+from fedcomp.codecs.memory import TensorStateMemory, TensorStep
 
 if TYPE_CHECKING:
     pass
@@ -115,16 +114,19 @@ class DGCMemory(TensorStateMemory):
 
         return make_codec_from_spec({**self.inner.spec(), "fraction": fraction})
 
-    def encode(
+    def encode_tensor(
         self,
         delta: torch.Tensor,
-        u: torch.Tensor | None,
         v: torch.Tensor | None,
+        u: torch.Tensor | None,
         *,
         seed: int,
         server_round: int,
-    ) -> tuple[Payload, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One tensor: the payload, the new (u, v), and the vector that was encoded."""
+    ) -> TensorStep:
+        """v is the state, u the extra array (under ``<name>/momentum``); both start
+        afresh when u's shape is not the tensor's."""
+        if u is not None and u.shape != delta.shape:
+            u = v = None
         x = delta.detach().to(torch.float32)
         u = x.clone() if u is None else self.momentum * u + x
         v = u.clone() if v is None else v + u
@@ -138,21 +140,4 @@ class DGCMemory(TensorStateMemory):
         sent = codec.decode(payload).to(torch.float32)
         new_v = v - sent
         new_u = torch.where(sent != 0, torch.zeros_like(u), u)  # momentum factor masking
-        return payload, new_u, new_v, v
-
-    def encode_tensor(
-        self,
-        delta: torch.Tensor,
-        state: torch.Tensor | None,
-        extra: torch.Tensor | None,
-        *,
-        seed: int,
-        server_round: int,
-    ) -> tuple[Payload, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """v is the state, u the extra array (under ``<name>/momentum``)."""
-        if extra is not None and extra.shape != delta.shape:
-            state = extra = None
-        payload, new_u, new_v, encoded = self.encode(
-            delta, extra, state, seed=seed, server_round=server_round
-        )
-        return payload, new_v, new_u, encoded
+        return TensorStep(payload, state=new_v, extra=new_u, encoded=v)

@@ -36,7 +36,7 @@ import torch
 
 from fedcomp.codecs.base import Codec, header_for, register
 from fedcomp.codecs.blocks import check_finite, check_range, expect_length
-from fedcomp.codecs.memory import TensorStateMemory
+from fedcomp.codecs.memory import TensorStateMemory, TensorStep
 from fedcomp.codecs.wire import Payload, PayloadError, check_field
 
 if TYPE_CHECKING:
@@ -174,15 +174,17 @@ class PowerSGDMemory(TensorStateMemory):
     def spec(self) -> dict[str, Any]:
         return {"name": self.name, "rank": self.inner.rank}
 
-    def encode(
+    def encode_tensor(
         self,
         x: torch.Tensor,
         error: torch.Tensor | None,
         q: torch.Tensor | None,
         *,
         seed: int,
-    ) -> tuple[Payload, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One tensor: the payload, the new error, the new Q and what was encoded."""
+        server_round: int = 0,
+    ) -> TensorStep:
+        """The error is the state, Q the extra array (under ``<name>/q``); the round
+        does not matter (no warm-up)."""
         m = x.detach().to(torch.float32)
         if error is not None:
             m = m + error
@@ -191,16 +193,4 @@ class PowerSGDMemory(TensorStateMemory):
             q = random_q(seed, cols, self.inner.rank)
         payload, q_new = self.inner.encode_with(m.to(x.dtype), q)
         sent = LowRankCodec.decode_payload(payload).to(torch.float32)
-        return payload, m - sent, q_new, m
-
-    def encode_tensor(
-        self,
-        delta: torch.Tensor,
-        state: torch.Tensor | None,
-        extra: torch.Tensor | None,
-        *,
-        seed: int,
-        server_round: int,
-    ) -> tuple[Payload, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The error is the state, Q the extra array (under ``<name>/q``)."""
-        return self.encode(delta, state, extra, seed=seed)
+        return TensorStep(payload, state=m - sent, extra=q_new, encoded=m)

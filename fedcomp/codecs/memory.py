@@ -5,24 +5,22 @@ last time to this round's update before encoding, so a biased codec (sign, top-k
 loses nothing in the long run: the sum of what the server decodes telescopes to the
 sum of the updates minus the current error.
 
-The server needs no state for EF (it decodes the inner codec's payload as usual);
-``reconstruct`` is the identity. State lives on the client, one explicit object per
+The server needs no state for EF: it decodes the inner codec's payload as usual, and
+that is the update. State lives on the client, one explicit object per
 client, committed only once the server acknowledged the reply that carried it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from fedcomp.codecs.base import Codec
+from fedcomp.codecs.policy import TensorPolicy, encode_all
 from fedcomp.codecs.wire import Payload
-
-if TYPE_CHECKING:  # policy imports the codecs; only its type is needed here
-    from fedcomp.codecs.policy import TensorPolicy
 
 
 class Memory:
@@ -41,6 +39,18 @@ class Memory:
         return self.inner
 
 
+class TensorStep(NamedTuple):
+    """One tensor through a :class:`TensorStateMemory`."""
+
+    payload: Payload
+    #: The new state (kept under the tensor's name) and extra array (under
+    #: ``<name><SUFFIX>``), committed once the server acknowledged the payload.
+    state: torch.Tensor
+    extra: torch.Tensor
+    #: The vector the inner codec encoded (the error metric compares with it).
+    encoded: torch.Tensor
+
+
 class TensorStateMemory(Memory):
     """A memory keeping two arrays per compressed tensor: ``state`` under the tensor's
     name and ``extra`` under ``<name><SUFFIX>`` (DGC: v and the momentum u; PowerSGD:
@@ -57,8 +67,8 @@ class TensorStateMemory(Memory):
         *,
         seed: int,
         server_round: int,
-    ) -> tuple[Payload, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The payload, the new (state, extra), and the vector that was encoded."""
+    ) -> TensorStep:
+        """One compressed tensor, from its carried (state, extra) (None: afresh)."""
         raise NotImplementedError
 
     def encode_round(
@@ -71,29 +81,25 @@ class TensorStateMemory(Memory):
     ) -> tuple[dict[str, bytes], dict[str, np.ndarray], dict[str, torch.Tensor]]:
         """The client half on one reply: payloads, the new state of every compressed
         tensor (raw ones carry none) and what was encoded per tensor (error metric)."""
-        payloads: dict[str, bytes] = {}
         pending: dict[str, np.ndarray] = {}
-        inputs: dict[str, torch.Tensor] = {}
-        for name, delta in deltas.items():
-            codec = policy.codec_for(delta, self.inner)
-            if codec is not self.inner:  # raw tensors carry no state
-                payloads[name] = bytes(codec.encode(delta, seed=seeds[name]))
-                inputs[name] = delta
-                continue
+        inputs: dict[str, torch.Tensor] = dict(deltas)  # raw tensors: what they are
+
+        def compress(name: str, delta: torch.Tensor) -> Payload:
             state, extra = carried.get(name), carried.get(name + self.SUFFIX)
             if state is None or extra is None or state.shape != tuple(delta.shape):
                 state = extra = None  # a new tensor, or the model changed shape: afresh
-            payload, new_state, new_extra, encoded = self.encode_tensor(
+            step = self.encode_tensor(
                 delta,
                 None if state is None else torch.from_numpy(state),
                 None if extra is None else torch.from_numpy(extra),
                 seed=seeds[name],
                 server_round=server_round,
             )
-            payloads[name] = bytes(payload)
-            pending[name], pending[name + self.SUFFIX] = new_state.numpy(), new_extra.numpy()
-            inputs[name] = encoded
-        return payloads, pending, inputs
+            pending[name], pending[name + self.SUFFIX] = step.state.numpy(), step.extra.numpy()
+            inputs[name] = step.encoded
+            return step.payload
+
+        return encode_all(self.inner, policy, deltas, seeds, compress), pending, inputs
 
 
 class ErrorFeedback(Memory):
@@ -133,10 +139,6 @@ class ErrorFeedback(Memory):
         new_residual = corrected - self.inner.decode(payload).to(torch.float32)
         return payload, new_residual
 
-    def reconstruct(self, decoded: torch.Tensor, state: Any = None) -> tuple[torch.Tensor, Any]:
-        """Server side: EF needs no server state, the decoded payload is the update."""
-        return decoded, state
-
 
 def encode_with_feedback(
     memory: ErrorFeedback,
@@ -148,18 +150,16 @@ def encode_with_feedback(
     """The client half of error feedback on one reply: encode delta + the carried error
     on the tensors the policy compresses (raw tensors carry none); returns the payloads
     and the new errors, which the client commits once the server acknowledged them."""
-    payloads, pending = {}, {}
-    for name, delta in deltas.items():
-        codec = policy.codec_for(delta, memory.inner)
-        if codec is not memory.inner:  # raw tensors carry no error
-            payloads[name] = bytes(codec.encode(delta, seed=seeds[name]))
-            continue
+    pending: dict[str, np.ndarray] = {}
+
+    def compress(name: str, delta: torch.Tensor) -> Payload:
         residual = carried.get(name)
         if residual is not None and residual.shape != tuple(delta.shape):
             residual = None  # the model changed shape: start this tensor afresh
         payload, new_residual = memory.encode(
             delta, None if residual is None else torch.from_numpy(residual), seed=seeds[name]
         )
-        payloads[name] = bytes(payload)
         pending[name] = new_residual.numpy()
-    return payloads, pending
+        return payload
+
+    return encode_all(memory.inner, policy, deltas, seeds, compress), pending

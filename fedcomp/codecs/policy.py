@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -10,6 +10,7 @@ import torch
 
 from fedcomp.codecs.base import Codec
 from fedcomp.codecs.dense import RawCodec
+from fedcomp.codecs.wire import Payload
 
 _RAW = RawCodec()
 
@@ -43,3 +44,29 @@ class TensorPolicy:
     def codec_for(self, x: torch.Tensor, codec: Codec) -> Codec:
         """The codec that tensor ``x`` travels with."""
         return _RAW if self.travels_raw(x.is_floating_point(), x.numel()) else codec
+
+
+#: A stateful family's own step on one tensor the policy compresses: (name, tensor) to
+#: its payload; the step keeps whatever state it leads to.
+Compress = Callable[[str, torch.Tensor], Payload]
+
+
+def encode_all(
+    codec: Codec,
+    policy: TensorPolicy,
+    deltas: Mapping[str, torch.Tensor],
+    seeds: Mapping[str, int],
+    compress: Compress | None = None,
+) -> dict[str, bytes]:
+    """Each tensor encoded with the codec the policy picks for it: the raw codec, or
+    ``codec`` (through ``compress`` when given). The raw-or-compressed split, written
+    once for every family and both the client and the reference encoding; raw
+    tensors never reach ``compress``, so they carry no state."""
+    payloads = {}
+    for name, delta in deltas.items():
+        chosen = policy.codec_for(delta, codec)
+        if chosen is codec and compress is not None:
+            payloads[name] = bytes(compress(name, delta))
+        else:
+            payloads[name] = bytes(chosen.encode(delta, seed=seeds[name]))
+    return payloads

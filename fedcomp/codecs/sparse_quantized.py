@@ -40,7 +40,6 @@ from fedcomp.codecs.wire import Payload, PayloadError, PayloadHeader
 
 _PARAMS = struct.Struct("<BBHIQQ")
 BITMAP, GAPS, ZSTD_BITMAP, ZSTD_GAPS = 0, 1, 2, 3
-FORMATS = {BITMAP: "bitmap", GAPS: "gaps", ZSTD_BITMAP: "zstd bitmap", ZSTD_GAPS: "zstd gaps"}
 #: Coordinates sampled to set the selection threshold.
 SAMPLE = 1 << 16
 

@@ -13,12 +13,12 @@ options (``ServerOptions`` holding ``Aggregation``, ``Influence`` and ``Identity
 ``Reporting``) are plain dataclasses, re-exported here for convenience.
 """
 
-from fedcomp.aggregation import Aggregation
 from fedcomp.flower.mod import CompressionMod
 from fedcomp.flower.options import IdentityOptions, ServerOptions
 from fedcomp.flower.strategy import CompressedStrategy
+from fedcomp.handoff_options import Aggregation
 from fedcomp.influence import Influence
-from fedcomp.reporting import Reporting
+from fedcomp.observers import Reporting
 
 __all__ = [
     "Aggregation",

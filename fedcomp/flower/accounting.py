@@ -6,7 +6,7 @@
   SuperLink actually pushes (about 1.3 KB of fixed overhead per message).
 
 Every message of a round, in both directions, is counted by kind into the round's
-``fedcomp.traffic.Traffic`` (:func:`count`).
+``fedcomp.traffic.Traffic`` (:func:`measure_and_record`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def wire_bytes(obj: Message | RecordDict) -> int:
         return sum(len(o.deflate()) for o in get_all_nested_objects(obj).values())
 
 
-def count(
+def measure_and_record(
     traffic: Traffic,
     kind: Kind,
     msg: Message,
@@ -46,7 +46,7 @@ def count(
     client: int | None,
     fp32_wire_bytes: int | None = None,
 ) -> int:
-    """Measure ``msg`` and count it under ``kind``; return its wire bytes.
+    """Measure ``msg``, record its bytes under ``kind``; return its wire bytes.
 
     ``fp32_wire_bytes``: the measured size of the same message under fp32 both ways
     (None: the message is its own reference, e.g. an evaluate reply or an error).
@@ -79,7 +79,7 @@ def count_instructions(
     for sid, msg in sent.items():
         fp32 = carry(sid, msg)
         if traffic is not None:
-            wire[sid] = count(traffic, kind, msg, client=sid, fp32_wire_bytes=fp32)
+            wire[sid] = measure_and_record(traffic, kind, msg, client=sid, fp32_wire_bytes=fp32)
     return wire
 
 
@@ -88,4 +88,4 @@ def count_replies(
 ) -> None:
     """Count each reply under ``kind``, by its sender's stable id (None: unknown)."""
     for msg in replies:
-        count(traffic, kind, msg, client=stable_of(msg.metadata.src_node_id))
+        measure_and_record(traffic, kind, msg, client=stable_of(msg.metadata.src_node_id))

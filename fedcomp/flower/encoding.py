@@ -16,9 +16,10 @@ import torch
 from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 
 from fedcomp.codecs import Codec, decode_bytes
+from fedcomp.codecs.policy import encode_all
 from fedcomp.flower.accounting import wire_bytes
 from fedcomp.flower.families import family_of
-from fedcomp.flower.families.base import Encoded, Instruction, encode_all
+from fedcomp.flower.families.base import Encoded, Instruction
 from fedcomp.flower.memory_state import MemoryState
 from fedcomp.keys import (
     KEY_NUM_EXAMPLES,
@@ -32,7 +33,7 @@ from fedcomp.keys import (
 )
 
 
-def single(records: dict, kind: str, where: str) -> tuple[str, object]:
+def only_record(records: dict, kind: str, where: str) -> tuple[str, object]:
     """The one record of ``kind`` a message part must hold."""
     if len(records) != 1:
         raise ValueError(f"{where} must hold exactly one {kind}, found {len(records)}")
@@ -63,12 +64,12 @@ def payload_content(payloads: dict[str, bytes]) -> RecordDict:
     return RecordDict({RECORD_PAYLOAD: ArrayRecord({n: _packed(b) for n, b in payloads.items()})})
 
 
-def update_of(
+def trained_update(
     reply: Message, global_record: ArrayRecord
 ) -> tuple[dict[str, torch.Tensor], MetricRecord]:
     """The update (trained - received) per tensor, and the user's train metrics."""
-    _, local_record = single(reply.content.array_records, "ArrayRecord", "train reply")
-    _, metrics = single(reply.content.metric_records, "MetricRecord", "train reply")
+    _, local_record = only_record(reply.content.array_records, "ArrayRecord", "train reply")
+    _, metrics = only_record(reply.content.metric_records, "MetricRecord", "train reply")
     if KEY_NUM_EXAMPLES not in metrics:
         raise ValueError(f"train reply metrics lack '{KEY_NUM_EXAMPLES}'")
     if set(local_record.keys()) != set(global_record.keys()):

@@ -11,7 +11,7 @@ from flwr.app import Message, MetricRecord
 
 from fedcomp.failures import Failure
 from fedcomp.flower.validation import ReplyError, check_evaluate_reply, majority_keys
-from fedcomp.results import RoundCounts
+from fedcomp.results_file import RoundCounts
 
 log = logging.getLogger("fedcomp.flower.strategy")  # one logger for the wrapper's lines
 

@@ -22,7 +22,7 @@ from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
 from fedcomp.failures import RunFailed, short_reason
-from fedcomp.flower.accounting import count
+from fedcomp.flower.accounting import measure_and_record
 from fedcomp.keys import (
     KEY_HANDLES,
     KEY_PROTOCOL,
@@ -473,9 +473,9 @@ def ask_identity(
     messages = [Message(query, dst_node_id=n, message_type=MessageType.TRAIN) for n in nodes]
     if traffic is not None:
         for msg in messages:
-            count(traffic, Kind.IDENTITY_QUERY, msg, client=None)
+            measure_and_record(traffic, Kind.IDENTITY_QUERY, msg, client=None)
     replies = list(grid.send_and_receive(messages, timeout=timeout))
     if traffic is not None:
         for reply in replies:
-            count(traffic, Kind.IDENTITY_REPLY, reply, client=None)
+            measure_and_record(traffic, Kind.IDENTITY_REPLY, reply, client=None)
     return replies

@@ -42,10 +42,10 @@ from fedcomp.downlink import Replica, ReplicaError
 from fedcomp.flower.encoding import (
     Instruction,
     encode_update,
+    only_record,
     payload_content,
     reply_metrics,
-    single,
-    update_of,
+    trained_update,
 )
 from fedcomp.flower.families import family_of
 from fedcomp.flower.identity import identity_reply, is_identity_message, stable_id_of
@@ -99,7 +99,7 @@ def _from_wrapper(msg: Message) -> bool:
     return any(KEY_SETTINGS in c or KEY_DOWNLINK in c for c in msg.content.config_records.values())
 
 
-def _held_header(digest: str | None, replica: Replica | None) -> dict[str, Any]:
+def _holdings_header(digest: str | None, replica: Replica | None) -> dict[str, Any]:
     """Reply header fields saying what this client holds: the message kinds this mod
     handles, the run settings' digest and the downlink replica (when the server uses
     them)."""
@@ -227,10 +227,21 @@ class CompressionMod:
         turns any exception of the mod here into an error reply (RecursionError and
         MemoryError included); a failure before the app runs leaves Context.state as
         it was."""
-        kind = msg.metadata.message_type
         if is_identity_message(msg):  # first contact: answered here, no training
             return identity_reply(msg, ctxt, HANDLES)
-        try:  # the run settings, when the instruction carries only their digest
+        holdings = self._settings_and_replica(msg, ctxt)
+        if isinstance(holdings, Message):  # a precondition failed: an error reply
+            return holdings
+        if msg.metadata.message_type == MessageType.EVALUATE:
+            return self._evaluate(msg, ctxt, call_next, holdings)
+        return self._train(msg, ctxt, call_next, holdings)
+
+    def _settings_and_replica(self, msg: Message, ctxt: Context) -> dict[str, Any] | Message:
+        """What every instruction needs before the app runs: the run settings (restored
+        when it carries only their digest), a place for the client's state, and the
+        downlink replica brought up to date. Returns the reply header fields saying
+        what this client holds, or an error reply."""
+        try:
             digest = restore_settings(msg.content, ctxt.state)
         except ValueError as exc:
             return _precondition_error(msg, f"CompressionMod: {exc}")
@@ -241,16 +252,20 @@ class CompressionMod:
         replica = self._take_downlink(msg, ctxt)
         if isinstance(replica, Message):  # the replica cannot be brought up to date
             return replica
-        held = _held_header(digest, replica)
-        if kind == MessageType.EVALUATE:
-            return self._evaluate(msg, ctxt, call_next, held)
+        return _holdings_header(digest, replica)
+
+    def _train(
+        self, msg: Message, ctxt: Context, call_next: _AppCall, holdings: dict[str, Any]
+    ) -> Message:
+        """A train instruction: the app trains, its update is encoded (staging the
+        codec's memory), and the reply carries the payloads; the memory is kept last."""
         instruction = self._read_instruction(msg, ctxt)
         if isinstance(instruction, Message):  # a precondition failed: an error reply
             return instruction
         reply = call_next(msg, ctxt)
         if reply.has_error():
             return reply
-        deltas, metrics = update_of(reply, instruction.global_record)
+        deltas, metrics = trained_update(reply, instruction.global_record)
         t0 = time.perf_counter()
         encoded = encode_update(
             instruction, deltas, lambda: self._load_memory(msg, ctxt), fp32=self._fp32
@@ -274,7 +289,7 @@ class CompressionMod:
                 KEY_ROUND: instruction.round,
                 KEY_CODEC: json.dumps(instruction.codec.spec(), sort_keys=True),
                 **encoded.header,
-                **held,
+                **holdings,
             }
         )
         content = payload_content(encoded.payloads)
@@ -282,12 +297,18 @@ class CompressionMod:
         content[RECORD_METRICS] = out_metrics
         reply = Message(content, reply_to=msg)
         if encoded.memory is not None:  # last: nothing after this can fail
-            directory = self._state_dir(msg)
-            if self._in_context(msg):
-                store_memory(ctxt.state, encoded.memory)
-            if directory:
-                save_memory_file(memory_path(directory, instruction.stable_id), encoded.memory)
+            self._keep_memory(msg, ctxt, instruction.stable_id, encoded.memory)
         return reply
+
+    def _keep_memory(
+        self, msg: Message, ctxt: Context, stable_id: int, memory: MemoryState
+    ) -> None:
+        """The staged memory into Context.state and/or its file, as the run config says."""
+        directory = self._state_dir(msg)
+        if self._in_context(msg):
+            store_memory(ctxt.state, memory)
+        if directory:
+            save_memory_file(memory_path(directory, stable_id), memory)
 
     def _take_downlink(self, msg: Message, ctxt: Context) -> Replica | Message | None:
         """Bring this client's replica up to the server's x_hat and put the model into
@@ -315,13 +336,14 @@ class CompressionMod:
 
     @staticmethod
     def _evaluate(
-        msg: Message, ctxt: Context, call_next: ClientAppCallable, held: dict[str, Any]
+        msg: Message, ctxt: Context, call_next: ClientAppCallable, holdings: dict[str, Any]
     ) -> Message:
         """Evaluate instructions: the app's handler on the restored config and the
         rebuilt model; the reply header says what this client holds."""
         reply = call_next(msg, ctxt)
-        if KEY_SETTINGS in held and not reply.has_error():
-            reply.content[RECORD_HEADER] = ConfigRecord({KEY_STABLE_ID: stable_id_of(ctxt), **held})
+        if KEY_SETTINGS in holdings and not reply.has_error():
+            header = {KEY_STABLE_ID: stable_id_of(ctxt), **holdings}
+            reply.content[RECORD_HEADER] = ConfigRecord(header)
         return reply
 
     def _read_instruction(self, msg: Message, ctxt: Context) -> Instruction | Message:
@@ -352,7 +374,9 @@ class CompressionMod:
                 msg,
                 f"CompressionMod: server expected stable id {expected}, this node is {stable_id}",
             )
-        _, global_record = single(msg.content.array_records, "ArrayRecord", "train instruction")
+        _, global_record = only_record(
+            msg.content.array_records, "ArrayRecord", "train instruction"
+        )
         try:  # the round's public plan, for families that have one (the joint code)
             plan = family_of(codec).read_plan(policy, config, global_record)
         except (ValueError, TypeError) as exc:

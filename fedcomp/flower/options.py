@@ -12,10 +12,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from fedcomp.aggregation import Aggregation
 from fedcomp.codecs import TensorPolicy
 from fedcomp.flower.identity import DEFAULT_REPLY_TIMEOUT
 from fedcomp.flower.instructions import Sampling
+from fedcomp.handoff_options import Aggregation
 from fedcomp.influence import Influence
 from fedcomp.rules import check_server_options
 

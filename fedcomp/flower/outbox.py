@@ -17,8 +17,8 @@ from fedcomp.flower.accounting import count_instructions, record_bytes
 from fedcomp.flower.families.joint import JointRound
 from fedcomp.flower.holdings import ClientHoldings
 from fedcomp.flower.instructions import Instructions, Sampling, sample
-from fedcomp.flower.records import empty_client_row
 from fedcomp.flower.replica import ReplicaSender
+from fedcomp.flower.round_records import empty_client_row
 from fedcomp.flower.round_state import RoundState
 from fedcomp.traffic import Kind
 

@@ -2,7 +2,7 @@
 
 :class:`RoundBook` holds the records (``results.json``'s rounds) and the initial
 model's evaluation, turns a finished round's counts into its record
-(fedcomp.flower.records), flags a loss that grew (fedcomp.flower.outcome), logs the
+(fedcomp.flower.round_records), flags a loss that grew (fedcomp.flower.outcome), logs the
 round line and calls the ``on_round`` observer; at the end of the run it fails a run
 that learned nothing, diverged or ended no better than it started.
 """
@@ -27,9 +27,9 @@ from fedcomp.flower.outcome import (
     likely_causes,
     loss_growth,
 )
-from fedcomp.flower.records import client_rows, log_line, round_record
+from fedcomp.flower.round_records import client_rows, log_line, round_record
 from fedcomp.flower.round_state import RoundState
-from fedcomp.reporting import Reporting
+from fedcomp.observers import Reporting
 
 log = logging.getLogger("fedcomp.flower.strategy")  # one logger for the wrapper's lines
 

@@ -11,7 +11,7 @@ from flwr.app import Message, MetricRecord
 
 from fedcomp.aggregate import RunningMean
 from fedcomp.controlvariates import PendingMirror
-from fedcomp.results import RoundCounts
+from fedcomp.results_file import RoundCounts
 from fedcomp.traffic import Traffic
 
 if TYPE_CHECKING:  # the joint family's module imports the reply checks, which import this

@@ -32,7 +32,7 @@ from fedcomp.flower.options import ServerOptions
 from fedcomp.flower.round_book import print_through_flower
 from fedcomp.flower.round_state import RoundState
 from fedcomp.flower.wiring import build_parts, summary_line
-from fedcomp.reporting import Reporting
+from fedcomp.observers import Reporting
 from fedcomp.traffic import Kind, Traffic
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ class CompressedStrategy(Strategy):
     options : fedcomp.flower.options.ServerOptions, optional
         Hand-off and trees, influence bounds, the policy and task settings sent to the
         clients, and how stable ids are learned.
-    reporting : fedcomp.reporting.Reporting, optional
+    reporting : fedcomp.observers.Reporting, optional
         Observers (``on_round``, ``update_probe``), the client metric names the round
         line shows, and the end-of-run learning check.
     """

@@ -21,15 +21,15 @@ from flwr.app import Array, ArrayRecord, Message, MetricRecord
 
 from fedcomp.codecs import TensorPolicy
 from fedcomp.codecs.residual import SYNC_FULL, SYNC_RESTART
-from fedcomp.flower.accounting import count, record_bytes
+from fedcomp.flower.accounting import measure_and_record, record_bytes
 from fedcomp.flower.bounds import InfluenceBounds, drop_outliers
 from fedcomp.flower.budget import check_round_copies
 from fedcomp.flower.decoding import ReplyDecoder
 from fedcomp.flower.families import Family
 from fedcomp.flower.handoff import make_handoff
 from fedcomp.flower.options import ServerOptions
-from fedcomp.flower.records import account_reply, empty_client_row
 from fedcomp.flower.rejection import count_error_reply, drop_metric_misfits
+from fedcomp.flower.round_records import account_reply, empty_client_row
 from fedcomp.flower.round_state import Decoded, RoundState
 from fedcomp.keys import RECORD_PAYLOAD
 from fedcomp.traffic import Kind
@@ -118,7 +118,7 @@ class Uplink:
         for msg in replies:
             sid = self.stable_of(msg.metadata.src_node_id)
             row = state.per_client.setdefault(sid, empty_client_row(sid)) if sid is not None else {}
-            wire = count(state.traffic, Kind.TRAIN_REPLY, msg, client=sid)
+            wire = measure_and_record(state.traffic, Kind.TRAIN_REPLY, msg, client=sid)
             row["uplink_wire_bytes"] = row.get("uplink_wire_bytes", 0) + wire
             if msg.has_error():
                 count_error_reply(state, sid, msg)
@@ -176,7 +176,7 @@ class Uplink:
         return self.half.resync_requested(stable_id)
 
     def state_dict(self) -> dict[str, Any]:
-        """What the uplink carries across rounds (checkpoints: fedcomp.flower.checkpoint)."""
+        """What the uplink carries across rounds (checkpoints: fedcomp.flower.resume)."""
         return {
             "cv": None,  # the families' state under the keys checkpoints have always used
             "joint": None,

@@ -26,7 +26,7 @@ from fedcomp.flower.replica import ReplicaSender
 from fedcomp.flower.resume import ServerCheckpoint
 from fedcomp.flower.round_book import RoundBook
 from fedcomp.flower.uplink import Uplink
-from fedcomp.reporting import Reporting
+from fedcomp.observers import Reporting
 
 
 @dataclass

@@ -318,32 +318,14 @@ class OneBitCode:
         shape = tuple(int(d) for d in shape)
         numel = math.prod(shape)
         parsed = payload if isinstance(payload, Payload) else parse_payload(payload, numel)
-        h = parsed.header
-        check_field("onebit", "codec id", h.codec_id, ONEBIT_CODEC_ID)
-        check_field("onebit", "shape", tuple(h.shape), shape)
-        check_field("onebit", "public seed", h.seed, seed & ((1 << 64) - 1))
-        if not h.dtype.is_floating_point:  # the wrapper also compares it with the model's
-            raise PayloadError(f"onebit payload declares a non-float dtype {h.dtype}")
+        _check_header(parsed.header, shape, seed)
         body = memoryview(parsed.body)
         if len(body) < _BODY.size:
             raise PayloadError(f"truncated onebit payload: {len(body)} body bytes")
-        fmt, bits, center, refine, index, n, block, sent_digest = _BODY.unpack_from(body, 0)
         taus = self.block_taus(tau, numel)
-        expected = {
-            "format": (fmt, FORMAT),
-            "bits": (bits, self.bits),
-            "center": (center, CENTERS.index(self.center)),
-            "refine": (refine, REFINES.index(self.refine)),
-            "client index": (index, client_index),
-            "client count": (n, num_clients),
-            "block": (block, self.block),
-            "public parameter digest": (
-                sent_digest,
-                self.digest(taus, num_clients) if digest is None else digest,
-            ),
-        }
-        for what, (got, want) in expected.items():
-            check_field("onebit", what, got, want)
+        if digest is None:
+            digest = self.digest(taus, num_clients)
+        self._check_parameters(_BODY.unpack_from(body, 0), client_index, num_clients, digest)
         blocks = self.num_blocks(numel)
         size = -(-numel * self.bits // 8)
         if len(body) != _BODY.size + blocks + size:
@@ -353,6 +335,24 @@ class OneBitCode:
         codes = np.frombuffer(body, dtype=np.uint8, count=blocks, offset=_BODY.size)
         packed = np.frombuffer(body, dtype=np.uint8, offset=_BODY.size + blocks)
         return packed, codes
+
+    def _check_parameters(
+        self, sent: tuple[int, ...], client_index: int, num_clients: int, digest: int
+    ) -> None:
+        """The body's fixed fields against this code and the public plan."""
+        fmt, bits, center, refine, index, n, block, sent_digest = sent
+        expected = {
+            "format": (fmt, FORMAT),
+            "bits": (bits, self.bits),
+            "center": (center, CENTERS.index(self.center)),
+            "refine": (refine, REFINES.index(self.refine)),
+            "client index": (index, client_index),
+            "client count": (n, num_clients),
+            "block": (block, self.block),
+            "public parameter digest": (sent_digest, digest),
+        }
+        for what, (got, want) in expected.items():
+            check_field("onebit", what, got, want)
 
     def decode(
         self,
@@ -369,18 +369,9 @@ class OneBitCode:
         """Decode the weighted mean, with the decoder's diagnostics (units of tau)."""
         shape = tuple(int(d) for d in shape)
         numel = math.prod(shape)
-        if len(payloads) != len(client_indices):
-            raise ValueError("onebit: one client index per payload")
-        if len(set(client_indices)) != len(client_indices):
-            raise ValueError("onebit: duplicate client indices")
-        if not payloads:
-            raise ValueError("onebit: no payloads to decode")
+        _check_indices(len(payloads), client_indices)
         taus = self.block_taus(tau, numel)
-        weights_arr = np.ones(len(payloads)) if weights is None else np.asarray(weights, float)
-        if weights_arr.shape != (len(payloads),) or not np.all(np.isfinite(weights_arr)):
-            raise ValueError("onebit: weights must be one finite number per payload")
-        if np.any(weights_arr < 0) or weights_arr.sum() <= 0:
-            raise ValueError("onebit: weights must be >= 0 with a positive sum")
+        weights_arr = _checked_weights(weights, len(payloads))
         digest = self.digest(taus, num_clients)
         packed = [
             self.check(
@@ -400,12 +391,24 @@ class OneBitCode:
             if side_center is None:
                 raise ValueError('onebit: center="previous" needs side_center')
             start = _as_float64(side_center) / tau_k
-        qs = self.query_set(taus, num_clients)
         received = Received(
             packed=np.stack(packed) if numel else np.zeros((len(packed), 0), np.uint8),
             client_indices=np.asarray(client_indices, dtype=np.int64),
             weights=weights_arr,
         )
+        result = self._decode_received(
+            received, self.query_set(taus, num_clients), numel=numel, seed=seed, start=start
+        )
+        if not np.all(np.isfinite(result.mean)):
+            raise ValueError("onebit: the decoded mean is not finite (check the weights)")
+        mean = torch.from_numpy(result.mean * tau_k).to(torch.float32).reshape(shape)
+        return mean, result
+
+    def _decode_received(
+        self, received: Received, qs: QuerySet, *, numel: int, seed: int, start: np.ndarray | None
+    ) -> JointDecode:
+        """The checked replies through the joint decoder: one group (and a lone reply)
+        by the fastest available decoder, several by the median of the groups' means."""
         common = {
             "numel": numel,
             "seed": seed,
@@ -413,14 +416,9 @@ class OneBitCode:
             "localize_center": self.center == "inband",
             "min_resultant": self.min_resultant,
         }
-        if self.groups == 1 or len(packed) == 1:
-            result = decode_one_group(received, qs, **common)
-        else:
-            result = decode_joint(received, qs, groups=self.groups, **common)
-        if not np.all(np.isfinite(result.mean)):
-            raise ValueError("onebit: the decoded mean is not finite (check the weights)")
-        mean = torch.from_numpy(result.mean * tau_k).to(torch.float32).reshape(shape)
-        return mean, result
+        if self.groups == 1 or len(received.client_indices) == 1:
+            return decode_one_group(received, qs, **common)
+        return decode_joint(received, qs, groups=self.groups, **common)
 
     def decode_mean(self, payloads, **kwargs) -> torch.Tensor:
         """The weighted mean of the clients' tensors (see :meth:`decode`)."""
@@ -451,6 +449,36 @@ class OneBitCode:
         # At most 4x per round either way: with few clients the median is one client's
         # code, and one absurd code must not set the scale of the next round.
         return np.clip(new, prev / MAX_TAU_STEP, prev * MAX_TAU_STEP)
+
+
+def _check_indices(count: int, client_indices: Sequence[int]) -> None:
+    """One distinct client index per payload, and at least one payload."""
+    if count != len(client_indices):
+        raise ValueError("onebit: one client index per payload")
+    if len(set(client_indices)) != len(client_indices):
+        raise ValueError("onebit: duplicate client indices")
+    if not count:
+        raise ValueError("onebit: no payloads to decode")
+
+
+def _checked_weights(weights: Sequence[float] | None, count: int) -> np.ndarray:
+    """The replies' weights (all 1 when not given): finite, >= 0, with a positive sum."""
+    weights_arr = np.ones(count) if weights is None else np.asarray(weights, float)
+    if weights_arr.shape != (count,) or not np.all(np.isfinite(weights_arr)):
+        raise ValueError("onebit: weights must be one finite number per payload")
+    if np.any(weights_arr < 0) or weights_arr.sum() <= 0:
+        raise ValueError("onebit: weights must be >= 0 with a positive sum")
+    return weights_arr
+
+
+def _check_header(h: PayloadHeader, shape: tuple[int, ...], seed: int) -> None:
+    """The payload header against the plan: the one-bit codec, the tensor's shape, the
+    round's public seed, and a float dtype."""
+    check_field("onebit", "codec id", h.codec_id, ONEBIT_CODEC_ID)
+    check_field("onebit", "shape", tuple(h.shape), shape)
+    check_field("onebit", "public seed", h.seed, seed & ((1 << 64) - 1))
+    if not h.dtype.is_floating_point:  # the wrapper also compares it with the model's
+        raise PayloadError(f"onebit payload declares a non-float dtype {h.dtype}")
 
 
 def _as_float64(x: torch.Tensor | np.ndarray) -> np.ndarray:

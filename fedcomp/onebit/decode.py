@@ -329,7 +329,16 @@ def _refine(
     """Step 4: the telescoping estimate of z - center per group: only the queries the
     safe phases use carry weight (per coordinate at most one BASE and two refinement
     queries per scale, docs/onebit.md), each Horvitz-Thompson weighted by its planned
-    inclusion probability."""
+    inclusion probability.
+
+    Missing replies need no special estimator: whether a client answers query q is
+    public randomness, independent of who replied, so Horvitz-Thompson with the
+    PLANNED inclusion probabilities ``pi_q`` and ``W`` = the weight of the clients that
+    replied is unbiased for their weighted mean. (A per-coordinate ratio
+    ``pi_q' = answers received / n received`` is biased toward c: a coarse query with
+    no received answer at a coordinate drops its whole contribution. Measured: all
+    x = 300, 40 of 60 replying, the ratio decoder gave 113.)
+    """
     phases = safe_phases(center, qs)
     flat_s1 = chunk.s1.reshape(groups, -1)
     flat_s0 = chunk.s0.reshape(groups, -1)
@@ -357,6 +366,89 @@ def _median_of_means(est: np.ndarray, group_weight: np.ndarray) -> np.ndarray:
     return per_group[0] if per_group.shape[0] == 1 else np.median(per_group, axis=0)
 
 
+@dataclass(frozen=True)
+class _Shared:
+    """What every chunk of one decode shares: public tables and the replies' groups."""
+
+    lookup: SlotLookup
+    used: list[UsedRow]
+    #: The rows of the queries with a public U: one contiguous run (BASE, then SREF).
+    u_range: tuple[int, int]
+    group_of: np.ndarray
+    groups: int
+    #: All weights equal: each answer's weight is one number, not a gather.
+    unit_weights: bool
+
+
+def _shared(received: Received, qs: QuerySet, groups: int) -> _Shared:
+    num_rx = received.client_indices.size
+    table = coefficient_table(qs).reshape(qs.num_queries, 4)
+    weights = received.weights
+    groups = max(1, min(groups, num_rx))
+    drawn = np.flatnonzero(qs.needs_uniform())
+    u_range = (int(drawn.min()), int(drawn.max()) + 1)
+    assert drawn.size == u_range[1] - u_range[0]
+    return _Shared(
+        lookup=SlotLookup(qs.cuts),
+        used=used_queries(qs, table.reshape(qs.num_queries, 2, 2)),
+        u_range=u_range,
+        group_of=np.arange(num_rx) % groups,
+        groups=groups,
+        unit_weights=bool(np.all(weights == weights[0])),
+    )
+
+
+def _chunk_estimate(
+    received: Received,
+    qs: QuerySet,
+    shared: _Shared,
+    c0: np.ndarray,
+    *,
+    seed: int,
+    first: int,
+    count: int,
+    localize_center: bool,
+    min_resultant: float,
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Steps 1 to 4 on coordinates [first, first + count): the center, the refined
+    estimate of z - center per group, and how many coordinates stopped early."""
+    shape = {"groups": shared.groups}
+    chunk = _sum_answers(
+        received,
+        qs,
+        shared.lookup,
+        seed=seed,
+        first=first,
+        count=count,
+        group_of=shared.group_of,
+        unit_weights=shared.unit_weights,
+        **shape,
+    )
+    center, stopped = _center(
+        chunk,
+        qs,
+        c0,
+        count=count,
+        localize_center=localize_center,
+        min_resultant=min_resultant,
+        **shape,
+    )
+    sums = _drawn_sums(
+        chunk,
+        qs,
+        received,
+        center,
+        shared.u_range,
+        seed=seed,
+        first=first,
+        count=count,
+        unit_weights=shared.unit_weights,
+        **shape,
+    )
+    est = _refine(chunk, qs, shared.used, center, sums, count=count, **shape)
+    return center, est, stopped
+
+
 def decode_joint(
     received: Received,
     qs: QuerySet,
@@ -373,7 +465,8 @@ def decode_joint(
     Chunk by chunk of coordinates, in named steps: sum the answers per (group, query,
     coordinate) (:func:`_sum_answers`: ``S1`` the weighted ones, ``S0`` the weights),
     find the coarse center (:func:`_center`), sum the public-U queries' answers
-    (:func:`_drawn_sums`), refine (:func:`_refine`) and take the median of means
+    (:func:`_drawn_sums`), refine (:func:`_refine`, which says why missing replies
+    need no special estimator) and take the median of means
     (:func:`_median_of_means`). A deterministic query's control variate ``B_c`` and
     coefficient depend only on (query, coordinate), so its contribution is
     ``coef (S1 - B_c S0)``; queries with a public U (BASE, SREF) sum ``w (B - B_c(U))``
@@ -389,73 +482,22 @@ def decode_joint(
     groups : int
         Median of means over this many client groups (1: plain mean; at most one group
         per received client).
-
-    Notes
-    -----
-    Missing replies need no special estimator: whether a client answers query q is
-    public randomness, independent of who replied, so Horvitz-Thompson with the
-    PLANNED inclusion probabilities ``pi_q`` and ``W`` = the weight of the clients that
-    replied is unbiased for their weighted mean. (A per-coordinate ratio
-    ``pi_q' = answers received / n received`` is biased toward c: a coarse query with
-    no received answer at a coordinate drops its whole contribution. Measured: all
-    x = 300, 40 of 60 replying, the ratio decoder gave 113.)
     """
-    b = qs.bits
+    shared = _shared(received, qs, groups)
     num_rx = received.client_indices.size
-    table = coefficient_table(qs).reshape(qs.num_queries, 4)
-    lookup = SlotLookup(qs.cuts)
-    weights = received.weights
-    unit_weights = bool(np.all(weights == weights[0]))
-    groups = max(1, min(groups, num_rx))
-    group_of = np.arange(num_rx) % groups
-    group_weight = np.bincount(group_of, weights=weights, minlength=groups)
-    chunk_size = max(8, (DECODE_ENTRIES // max(1, num_rx * b)) // 8 * 8)
+    group_weight = np.bincount(shared.group_of, weights=received.weights, minlength=shared.groups)
+    chunk_size = max(8, (DECODE_ENTRIES // max(1, num_rx * qs.bits)) // 8 * 8)
     mean = np.empty(numel)
     center_all = np.empty(numel)
     stopped_total = 0
-    # Queries with a public U are one contiguous run of rows (BASE, then SREF).
-    drawn = np.flatnonzero(qs.needs_uniform())
-    u_range = (int(drawn.min()), int(drawn.max()) + 1)
-    assert drawn.size == u_range[1] - u_range[0]
-    used = used_queries(qs, table.reshape(qs.num_queries, 2, 2))
-    shape = {"groups": groups}
     for first in range(0, numel, chunk_size):
         count = min(chunk_size, numel - first)
-        chunk = _sum_answers(
-            received,
-            qs,
-            lookup,
-            seed=seed,
-            first=first,
-            count=count,
-            group_of=group_of,
-            unit_weights=unit_weights,
-            **shape,
-        )
         c0 = np.zeros(count) if start is None else start[first : first + count]
-        center, stopped = _center(
-            chunk,
-            qs,
-            c0,
-            count=count,
-            localize_center=localize_center,
-            min_resultant=min_resultant,
-            **shape,
-        )
+        center, est, stopped = _chunk_estimate(
+            received, qs, shared, c0, seed=seed, first=first, count=count,
+            localize_center=localize_center, min_resultant=min_resultant,
+        )  # fmt: skip
         stopped_total += stopped
-        sums = _drawn_sums(
-            chunk,
-            qs,
-            received,
-            center,
-            u_range,
-            seed=seed,
-            first=first,
-            count=count,
-            unit_weights=unit_weights,
-            **shape,
-        )
-        est = _refine(chunk, qs, used, center, sums, count=count, **shape)
         mean[first : first + count] = center + _median_of_means(est, group_weight)
         center_all[first : first + count] = center
     return JointDecode(mean=mean, center=center_all, stopped_early=stopped_total)

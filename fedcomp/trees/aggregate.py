@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedcomp.settings import TreeOptions
 from fedcomp.trees.build import (
     CANDIDATES,
     balanced_tree,
@@ -28,37 +29,23 @@ from fedcomp.trees.build import (
 from fedcomp.trees.reduce import DTYPES, reduce_tree
 from fedcomp.trees.structure import Tree
 
-TREES = ("sum", "sequential", "balanced", "blocked", "huffman", "greedy", "adaptive")
-STATS = ("current", "ema")
 #: Trees whose shape depends only on the number of leaves, never on statistics.
 ORDER_ONLY = ("sum", "sequential", "balanced", "blocked")
 
 
-@dataclass(frozen=True)
-class TreeConfig:
-    """How the pre-aggregated mean is reduced (``aggregation.*`` settings)."""
+# Not frozen: it extends TreeOptions, which the (mutable, Hydra-composed) run settings
+# extend too; nothing changes a TreeConfig after it is built.
+@dataclass
+class TreeConfig(TreeOptions):
+    """How the pre-aggregated mean is reduced: the ``aggregation.*`` tree options, plus
+    the statistics' constants no setting exposes."""
 
-    tree: str = "sum"
-    dtype: str = "fp32"
-    root_fp32: bool = False
-    chunk_size: int = 65536
-    refresh_rounds: int = 1
-    stats: str = "current"
     ema_decay: float = 0.5
     #: Variance floor: sigma^2 = max(q - m^2, eps), so a constant leaf still has a weight.
     eps: float = 1e-30
 
     def __post_init__(self) -> None:
-        if self.tree not in TREES:
-            raise ValueError(f"aggregation.tree={self.tree!r}; allowed: {', '.join(TREES)}")
-        if self.dtype not in ("fp32", "bf16", "fp16"):
-            raise ValueError(f"aggregation.dtype={self.dtype!r}; allowed: fp32, bf16, fp16")
-        if self.chunk_size < 1:
-            raise ValueError(f"aggregation.chunk_size={self.chunk_size!r}: must be >= 1")
-        if self.refresh_rounds < 1:
-            raise ValueError(f"aggregation.refresh_rounds={self.refresh_rounds!r}: must be >= 1")
-        if self.stats not in STATS:
-            raise ValueError(f"aggregation.stats={self.stats!r}; allowed: {', '.join(STATS)}")
+        self.check_tree_options()
         if not 0.0 <= self.ema_decay < 1.0:
             raise ValueError(f"aggregation.ema_decay={self.ema_decay!r}: must be in [0, 1)")
 

@@ -72,17 +72,6 @@ class DecodedUpdate:
     sync: int = 0
 
 
-def encode_all(
-    codec: Any, policy: TensorPolicy, deltas: Mapping[str, torch.Tensor], seeds: Mapping[str, int]
-) -> dict[str, bytes]:
-    """Each tensor encoded with the codec the policy picks for it: raw or ``codec``
-    (the raw-or-compressed split, for every family)."""
-    return {
-        name: bytes(policy.codec_for(delta, codec).encode(delta, seed=seeds[name]))
-        for name, delta in deltas.items()
-    }
-
-
 def int_field(header: ConfigRecord, key: str, default: int) -> int:
     """An integer header field; anything else is a malformed reply, not a crash."""
     value = header.get(key, default)

@@ -24,7 +24,8 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord
 
 from fedcomp.aggregate import weighted_mean
-from fedcomp.codecs import Codec, PayloadError, TensorPolicy, parse_payload
+from fedcomp.codecs import Codec, Payload, PayloadError, TensorPolicy, parse_payload
+from fedcomp.codecs.policy import encode_all
 from fedcomp.failures import Failure
 from fedcomp.flower.families.base import (
     DecodedUpdate,
@@ -218,29 +219,29 @@ def encode_joint(
     run_seed: int,
     server_round: int,
 ) -> Encoded:
-    """One-bit payloads for the planned tensors (public seed, no client id), raw
-    payloads for the rest."""
-    payloads = {}
-    beyond = total = 0
-    for name, delta in deltas.items():
+    """One-bit payloads for the tensors the policy compresses, which the server
+    planned (public seed, no client id); raw payloads for the rest."""
+    counts = {"beyond": 0.0, "total": 0}
+
+    def compress(name: str, delta: torch.Tensor) -> Payload:
         tau = plan.taus.get(name)
-        if tau is None:
-            payloads[name] = bytes(policy.codec_for(delta, code).encode(delta, seed=seeds[name]))
-            continue
-        payloads[name] = bytes(
-            code.encode(
-                delta,
-                client_index=plan.index,
-                num_clients=plan.clients,
-                seed=joint_seed(run_seed, server_round, name),
-                tau=tau,
-            )
-        )
+        if tau is None:  # the server plans every tensor the policy compresses
+            raise ValueError(f"joint: tensor {name!r} is compressed but has no planned scale")
         z = np.abs(delta.detach().reshape(-1).double().numpy())
         z /= np.repeat(tau, code.block)[: z.size]
-        beyond += out_of_range_fraction(z, code) * z.size
-        total += z.size
-    stats = {METRIC_OUT_OF_RANGE: beyond / total if total else 0.0}
+        counts["beyond"] += out_of_range_fraction(z, code) * z.size
+        counts["total"] += z.size
+        return code.encode(
+            delta,
+            client_index=plan.index,
+            num_clients=plan.clients,
+            seed=joint_seed(run_seed, server_round, name),
+            tau=tau,
+        )
+
+    payloads = encode_all(code, policy, deltas, seeds, compress)
+    total = counts["total"]
+    stats = {METRIC_OUT_OF_RANGE: counts["beyond"] / total if total else 0.0}
     return Encoded(payloads, inputs={}, stats=stats)
 
 

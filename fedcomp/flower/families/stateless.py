@@ -14,6 +14,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord
 
 from fedcomp.codecs import Codec, TensorPolicy
+from fedcomp.codecs.policy import encode_all
 from fedcomp.flower.families.base import (
     DecodedUpdate,
     Encoded,
@@ -21,7 +22,6 @@ from fedcomp.flower.families.base import (
     Instruction,
     LoadMemory,
     ServerHalf,
-    encode_all,
 )
 from fedcomp.flower.validation import decode_payloads
 

@@ -23,7 +23,8 @@ from fedcomp.keys import (
     METRIC_STATE_BYTES,
     RECORD_PAYLOAD,
 )
-from fedcomp.results import RoundCounts
+from fedcomp.progress import human_bytes
+from fedcomp.results_file import RoundCounts
 from fedcomp.traffic import Kind, Traffic
 
 #: Client metrics copied into each client's row (without the "fedcomp." prefix).
@@ -114,12 +115,7 @@ def round_record(
     cv: ControlVariateServer | None,
     traffic: Traffic,
 ) -> dict[str, Any]:
-    """One round of results.json (fedcomp.results gives the shape)."""
-    measured = [r for r in rows if "fp32_codec_bytes" in r]  # decoded replies only
-    fp32_codec = sum(r["fp32_codec_bytes"] for r in measured)
-    fp32_wire = sum(r["fp32_wire_bytes"] for r in measured)
-    sent_codec = sum(r["uplink_codec_bytes"] for r in measured)
-    sent_wire = sum(r["uplink_wire_bytes"] for r in measured)
+    """One round of results.json (fedcomp.results_file gives the shape)."""
     return {
         "round": server_round,
         "accuracy": central.get("accuracy"),
@@ -127,13 +123,28 @@ def round_record(
         "client_accuracy": counts.client_accuracy,
         "client_loss": counts.client_loss,
         "client_metrics": dict(counts.client_metrics),
-        "uplink_codec_bytes": sum(r["uplink_codec_bytes"] for r in rows),
-        "uplink_record_bytes": sum(r["uplink_record_bytes"] for r in rows),
-        "uplink_wire_bytes": sum(r["uplink_wire_bytes"] for r in rows),
-        "downlink_record_bytes": sum(r["downlink_record_bytes"] for r in rows),
-        "downlink_wire_bytes": sum(r["downlink_wire_bytes"] for r in rows),
+        **{key: sum(r[key] for r in rows) for key in _SUMMED},
         "per_client": rows,
         **traffic.round_fields(),
+        **_outcome_fields(counts, round_s),
+        "codec": _codec_section(counts, rows, codec_spec, tensor_codecs, cv),
+    }
+
+
+#: Byte counts of the per-client rows that the round record sums.
+_SUMMED = (
+    "uplink_codec_bytes",
+    "uplink_record_bytes",
+    "uplink_wire_bytes",
+    "downlink_record_bytes",
+    "downlink_wire_bytes",
+)
+
+
+def _outcome_fields(counts: RoundCounts, round_s: float) -> dict[str, Any]:
+    """What the round took and what became of its replies (the optional fields appear
+    only when something happened)."""
+    return {
         "decode_s": counts.decode_s,
         "aggregate_s": counts.aggregate_s,
         "round_s": round_s,
@@ -158,23 +169,39 @@ def round_record(
             if counts.replica_accuracy is not None
             else {}
         ),
-        "codec": {
-            "spec": dict(codec_spec),
-            "fp32_codec_bytes": fp32_codec,
-            "fp32_wire_bytes": fp32_wire,
-            "decoded_codec_bytes": sent_codec,
-            "decoded_wire_bytes": sent_wire,
-            "ratio_vs_fp32_codec": fp32_codec / sent_codec if sent_codec else None,
-            "ratio_vs_fp32_wire": fp32_wire / sent_wire if sent_wire else None,
-            "per_tensor": dict(tensor_codecs),
-            "client_rel_error_mean": mean(
-                [r["codec_rel_error"] for r in measured if "codec_rel_error" in r]
-            ),
-            **residual_summary(cv, counts, measured),
-            **({"tree": counts.tree} if counts.tree is not None else {}),
-            **({"joint": counts.joint} if counts.joint is not None else {}),
-            **({"decode_passes": counts.decode_passes} if counts.decode_passes is not None else {}),
-        },
+    }
+
+
+def _codec_section(
+    counts: RoundCounts,
+    rows: list[dict[str, Any]],
+    codec_spec: Mapping[str, Any],
+    tensor_codecs: Mapping[str, str],
+    cv: ControlVariateServer | None,
+) -> dict[str, Any]:
+    """The codec's bytes against fp32 over the decoded replies, its error, and the
+    residual, tree and joint statistics of the round."""
+    measured = [r for r in rows if "fp32_codec_bytes" in r]  # decoded replies only
+    fp32_codec = sum(r["fp32_codec_bytes"] for r in measured)
+    fp32_wire = sum(r["fp32_wire_bytes"] for r in measured)
+    sent_codec = sum(r["uplink_codec_bytes"] for r in measured)
+    sent_wire = sum(r["uplink_wire_bytes"] for r in measured)
+    return {
+        "spec": dict(codec_spec),
+        "fp32_codec_bytes": fp32_codec,
+        "fp32_wire_bytes": fp32_wire,
+        "decoded_codec_bytes": sent_codec,
+        "decoded_wire_bytes": sent_wire,
+        "ratio_vs_fp32_codec": fp32_codec / sent_codec if sent_codec else None,
+        "ratio_vs_fp32_wire": fp32_wire / sent_wire if sent_wire else None,
+        "per_tensor": dict(tensor_codecs),
+        "client_rel_error_mean": mean(
+            [r["codec_rel_error"] for r in measured if "codec_rel_error" in r]
+        ),
+        **residual_summary(cv, counts, measured),
+        **({"tree": counts.tree} if counts.tree is not None else {}),
+        **({"joint": counts.joint} if counts.joint is not None else {}),
+        **({"decode_passes": counts.decode_passes} if counts.decode_passes is not None else {}),
     }
 
 
@@ -185,14 +212,6 @@ def client_rows(per_client: dict[int, dict[str, Any]], traffic: Traffic) -> list
         row = per_client.setdefault(sid, empty_client_row(sid))
         row["wire_bytes_by_kind"] = dict(sorted(by_kind.items()))
     return [per_client[sid] for sid in sorted(per_client)]
-
-
-def human_bytes(num_bytes: int) -> str:
-    """Bytes for the log line (results.json keeps exact integers)."""
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if num_bytes >= size:
-            return f"{num_bytes / size:.3f} {unit}"
-    return f"{num_bytes} B"
 
 
 def fmt(value: float | None) -> str:
@@ -209,11 +228,11 @@ def log_line(record: Mapping[str, Any], num_rounds: int) -> str:
     return (
         f"round {record['round']}/{num_rounds} | accuracy {fmt(record['accuracy'])} "
         f"loss {fmt(record['loss'])} | client acc {fmt(record['client_accuracy'])} "
-        f"| total wire {human_bytes(total)} (fp32/total {fmt(fp32 / total if total else None)}) "
-        f"| up codec {human_bytes(record['uplink_codec_bytes'])} "
-        f"record {human_bytes(record['uplink_record_bytes'])} "
-        f"wire {human_bytes(record['uplink_wire_bytes'])} "
-        f"| down wire {human_bytes(record['downlink_wire_bytes'])} "
-        f"| evaluate wire {human_bytes(evaluate)} "
+        f"| total wire {human_bytes(total, 3)} (fp32/total {fmt(fp32 / total if total else None)}) "
+        f"| up codec {human_bytes(record['uplink_codec_bytes'], 3)} "
+        f"record {human_bytes(record['uplink_record_bytes'], 3)} "
+        f"wire {human_bytes(record['uplink_wire_bytes'], 3)} "
+        f"| down wire {human_bytes(record['downlink_wire_bytes'], 3)} "
+        f"| evaluate wire {human_bytes(evaluate, 3)} "
         f"| {record['replied']}/{record['selected']} replied | {record['round_s']:.2f} s"
     )

@@ -97,7 +97,7 @@ SUMMARY_FIELDS: dict[str, tuple[type, ...]] = {
 @dataclass
 class RoundCounts:
     """What the server counts and times during one round, as typed fields (a misspelled
-    counter is an AttributeError, never a silent 0). ``fedcomp.flower.records.round_record``
+    counter is an AttributeError, never a silent 0). ``fedcomp.flower.round_records.round_record``
     turns it, with the byte counts, into one round of results.json."""
 
     selected: int = 0
