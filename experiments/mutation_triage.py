@@ -21,17 +21,22 @@ COPY = "copy or not, the array is only read afterwards: same values"
 MSG = "only the rejection's message text changes; its kind and effect are tested"
 HDR = "the server reads version and checksum only on SYNC_NORMAL (prepare), never on a restart or resync"
 _CV = {
-    CV + "x_encode_residual__mutmut_21": (
+    CV + "x_encode_residual__mutmut_14": (
         "delta.to(None)",
         E,
         "deltas are float32 already; .to(None) returns the tensor as is",
     ),
-    CV + "x_encode_residual__mutmut_32": ("seed=None", E, FP32_SEED),
-    CV + "x_encode_residual__mutmut_34": ("fp32.encode(delta, )", E, FP32_SEED),
-    CV + "x_encode_residual__mutmut_62": ("dtype=None", N, F64),
-    CV + "x_encode_residual__mutmut_64": ("np.square(r, )", N, F64),
-    CV + "x_encode_residual__mutmut_79": ("dtype=None", N, F64),
-    CV + "x_encode_residual__mutmut_81": ("r_hat - r, )", N, F64),
+    CV + "x_encode_residual__mutmut_25": ("seed=None", E, FP32_SEED),
+    CV + "x_encode_residual__mutmut_27": ("fp32.encode(delta, )", E, FP32_SEED),
+    CV + "x_encode_residual__mutmut_55": ("dtype=None", N, F64),
+    CV + "x_encode_residual__mutmut_57": ("np.square(r, )", N, F64),
+    CV + "x_encode_residual__mutmut_72": ("dtype=None", N, F64),
+    CV + "x_encode_residual__mutmut_74": ("r_hat - r, )", N, F64),
+    CV + "x_encode_residual__mutmut_83": (
+        "encode_all(None,",
+        E,
+        "with a compress step, encode_all uses the codec only as the marker codec_for returns for compressed tensors: None marks them as well, and raw ones get the raw codec either way",
+    ),
     CV + "x_residual_header__mutmut_4": ("or True", E, HDR),
     CV + "x_residual_header__mutmut_5": ("else 1", E, HDR),
     CV + "x_residual_header__mutmut_7": ("or True", E, HDR),

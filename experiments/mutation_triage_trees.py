@@ -311,7 +311,7 @@ TRIAGE: dict[str, tuple[str, str, str]] = {
             (20, ") * 2 / 12"),
             (21, "(2.0 * (np.floor"),
             (22, "(3.0 **"),
-            (23, "- p)) ** 2 / 12" if False else "+ p))"),
+            (23, "+ p))"),
             (24, "np.floor(None)"),
             (25, "np.log2(None)"),
             (26, "abs(None)"),
