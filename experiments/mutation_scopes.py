@@ -160,7 +160,11 @@ EXTRA_SCOPES: tuple[Scope, ...] = (
             "fedcomp/trees/reduce.py",
             "fedcomp/trees/structure.py",
         ),
-        tests=("tests/test_trees.py", "tests/test_tree_aggregation.py"),
+        tests=(
+            "tests/test_trees.py",
+            "tests/test_tree_aggregation.py",
+            "tests/test_tree_invariants.py",
+        ),
         summary="experiments/results/mutation_trees.md",
         triage="experiments.mutation_triage_trees",
     ),
