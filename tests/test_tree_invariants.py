@@ -79,7 +79,8 @@ def test_integer_buffers_take_the_weighted_mean_rounded_back() -> None:
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_a_single_update_is_its_own_mean(dtype: str) -> None:
-    update = {"w": np.array([1.5, -3.25, 1e-3, 7.0], np.float32), "n": np.array([5], np.int32)}
+    # The integer buffer first: the float tensor after it must still be reduced.
+    update = {"n": np.array([5], np.int32), "w": np.array([1.5, -3.25, 1e-3, 7.0], np.float32)}
     config = TreeConfig(tree="balanced", dtype=dtype)
     got, _ = tree_mean([update], [2.0], [9], config, TreeStats(), 1)
     # Factor 1, no addition: only the cast to the working dtype rounds.
@@ -262,6 +263,7 @@ def test_a_constant_partial_sum_rounds_within_its_binade() -> None:
         assert expected_rounding_variance(mean, 0.0, "bf16") == (2.0**-6) ** 2 / 12
         assert expected_rounding_variance(mean, -1.0, "bf16") == (2.0**-6) ** 2 / 12
     assert expected_rounding_variance(0.0, 0.0, "fp16") == 0.0
+    assert expected_rounding_variance(1.0, 0.0, "bf16") == (2.0**-7) ** 2 / 12  # [1, 2)
     with pytest.raises(ValueError, match="dtype='int8'; allowed: fp32, bf16, fp16, fp64"):
         expected_rounding_variance(1.0, 1.0, "int8")
 
