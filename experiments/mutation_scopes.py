@@ -139,7 +139,11 @@ EXTRA_SCOPES: tuple[Scope, ...] = (
     Scope(
         name="downlink",
         files=("fedcomp/downlink.py",),
-        tests=("tests/test_downlink.py", "tests/test_hostile_server.py"),
+        tests=(
+            "tests/test_downlink.py",
+            "tests/test_hostile_server.py",
+            "tests/test_downlink_invariants.py",
+        ),
         summary="experiments/results/mutation_downlink.md",
         triage="experiments.mutation_triage_downlink",
         deselect=(

@@ -1,0 +1,142 @@
+"""Invariants of the downlink's server half that the downlink mutation run found
+unpinned: the checkpoint round trip of BroadcastServer, what confirm and forget do to
+the next instruction, and drift against its definition. Expected values are computed
+here from the definitions (docs/downlink.md)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fedcomp.codecs import TensorPolicy, decode_bytes
+from fedcomp.downlink import (
+    BroadcastServer,
+    Replica,
+    ReplicaError,
+    Step,
+    apply_step,
+    parse_downlink,
+)
+
+UNIFORM4 = {"name": "uniform", "bits": 4, "block": 256}
+
+
+def _model(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        "count": np.array([seed], dtype=np.int64),  # an integer buffer first
+        "w": rng.normal(size=(40, 30)).astype(np.float32),
+        "b": rng.normal(size=30).astype(np.float32),  # below min_numel: raw
+    }
+
+
+def _server(memory: str = "error_feedback", initial: str = "sent") -> BroadcastServer:
+    spec = parse_downlink({**UNIFORM4, "memory": memory, "initial": initial})
+    return BroadcastServer(spec, TensorPolicy(), 7)
+
+
+def _same_arrays(a: dict[str, np.ndarray] | None, b: dict[str, np.ndarray] | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k]) for k in a
+    )
+
+
+@pytest.mark.parametrize("memory", ["error_feedback", "none"])
+def test_a_restored_server_continues_exactly_as_the_original(memory: str) -> None:
+    server = _server(memory)
+    server.start(_model(0))
+    for i in (1, 2, 3):
+        server.advance(_model(i))
+    server.confirm(4, server.version, server.checksum)
+    restored = _server(memory)
+    restored.load_state_dict(server.state_dict())
+    assert _same_arrays(restored.x_hat, server.x_hat)
+    assert _same_arrays(restored.previous, server.previous)
+    assert (memory == "none") == (server.previous is not None)
+    assert (restored.version, restored.checksum) == (3, server.checksum)
+    assert restored.initial_checksum == server.initial_checksum != ""
+    assert restored.confirmed == {4: 3}
+    fields = [(s.source, s.target, s.payloads, s.checksum, s.scales) for s in server.history]
+    assert [(s.source, s.target, s.payloads, s.checksum, s.scales) for s in restored.history] == (
+        fields
+    )
+    # Error feedback scales the compressed tensor's step: the scales are part of the state.
+    assert (memory == "error_feedback") == any(s.scales for s in server.history)
+    # The next step is the same bytes from both (x_hat, and x_{t-1} for memory none).
+    a, b = server.advance(_model(4)), restored.advance(_model(4))
+    assert (a.payloads, a.scales, a.checksum) == (b.payloads, b.scales, b.checksum)
+
+
+def test_an_unstarted_server_checkpoints_no_replica() -> None:
+    state = _server("none").state_dict()
+    assert state["x_hat"] is None and state["previous"] is None and state["version"] == 0
+
+
+def test_the_state_is_a_copy_the_server_does_not_change_afterwards() -> None:
+    server = _server()
+    server.start(_model(0))
+    state = server.state_dict()
+    before = state["x_hat"]["w"].copy()
+    server.advance(_model(1))
+    assert np.array_equal(state["x_hat"]["w"], before)
+
+
+def test_forget_sends_the_model_in_full_until_the_client_confirms_again() -> None:
+    server = _server(initial="seeded")
+    server.start(_model(0))
+    server.advance(_model(1))
+    # A seeded client with no confirmation builds version 0 itself: the step from there.
+    assert [s.target for s in server.steps_for(5)] == [1]
+    server.forget(5)
+    assert server.steps_for(5) is None  # never the seeded version 0 again: x_hat in full
+    assert server.confirm(5, server.version, server.checksum)
+    assert server.steps_for(5) == [] and 5 not in server.full_next
+
+
+def test_a_replica_the_server_never_had_is_unknown_without_an_error() -> None:
+    server = _server()
+    server.start(_model(0))
+    assert not server.confirm(77, 0, "0" * 16)  # never confirmed before: nothing to drop
+    assert 77 not in server.confirmed and server.steps_for(77) is None
+
+
+def test_drift_is_the_relative_distance_over_the_float_tensors() -> None:
+    server = _server()
+    assert server.drift(_model(1)) == 0.0  # not started: no replica to compare
+    server.start(_model(0))
+    x_t = _model(1)  # its integer buffer differs too: drift ignores it
+    num = sum(
+        float(np.sum((server.x_hat[k].astype(np.float64) - x_t[k].astype(np.float64)) ** 2))
+        for k in ("w", "b")
+    )
+    den = sum(float(np.sum(x_t[k].astype(np.float64) ** 2)) for k in ("w", "b"))
+    assert server.drift(x_t) == pytest.approx(np.sqrt(num / den), rel=1e-12)
+    zeros = {k: np.zeros_like(v) for k, v in x_t.items()}
+    assert server.drift(zeros) == 0.0  # no norm to divide by: defined as 0
+
+
+def test_without_server_memory_the_replica_adds_each_difference_unscaled() -> None:
+    server = _server("none")
+    server.start(_model(0))
+    client = Replica().take_full(server.x_hat, 0, server.checksum)
+    steps = [server.advance(_model(i)) for i in (1, 2)]
+    assert all(s.scales == {} for s in steps)  # no scale travels: each counts once
+    for codec in (None, server.codec):  # decoded directly, and after the payload checks
+        final = client.take_steps(steps, 2, server.checksum, codec=codec)
+        assert _same_arrays(final.arrays, server.x_hat)
+    # By hand: x_hat_2 = x_0 + d_1 + d_2 in float32, the decoded global updates.
+    w = client.arrays["w"]
+    for s in steps:
+        w = w + decode_bytes(s.payloads["w"]).numpy()
+    assert np.array_equal(final.arrays["w"], w)
+
+
+def test_a_payload_that_does_not_fit_names_its_tensor() -> None:
+    server = _server()
+    server.start(_model(0))
+    step = server.advance(_model(1))
+    bad = Step(0, 1, {**step.payloads, "w": step.payloads["w"][:-3]}, step.checksum, step.scales)
+    with pytest.raises(ReplicaError, match=r"^w: "):
+        apply_step(server.state_dict()["x_hat"], bad)
