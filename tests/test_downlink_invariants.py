@@ -9,12 +9,16 @@ import numpy as np
 import pytest
 
 from fedcomp.codecs import TensorPolicy, decode_bytes
+from fedcomp.codecs.entropy import max_inner_size
 from fedcomp.downlink import (
     BroadcastServer,
     Replica,
     ReplicaError,
     Step,
     apply_step,
+    check_step_bytes,
+    check_step_payload,
+    check_step_payloads,
     parse_downlink,
 )
 
@@ -140,3 +144,56 @@ def test_a_payload_that_does_not_fit_names_its_tensor() -> None:
     bad = Step(0, 1, {**step.payloads, "w": step.payloads["w"][:-3]}, step.checksum, step.scales)
     with pytest.raises(ReplicaError, match=r"^w: "):
         apply_step(server.state_dict()["x_hat"], bad)
+
+
+def test_steps_weighing_exactly_the_model_are_read_one_byte_more_is_refused() -> None:
+    arrays = {"w": np.zeros(10, np.float32)}  # a 40-byte model
+    fits = [Step(0, 1, {"w": b"x" * 25}, ""), Step(1, 2, {"w": b"x" * 15}, "")]
+    check_step_bytes(fits, arrays)
+    over = [*fits[:1], Step(1, 2, {"w": b"x" * 16}, "")]
+    with pytest.raises(ReplicaError, match="the steps weigh 41 bytes, more than the 40-byte model"):
+        check_step_bytes(over, arrays)
+
+
+def _step_and_model() -> tuple[BroadcastServer, Step, dict[str, np.ndarray]]:
+    server = _server()
+    server.start(_model(0))
+    x0 = {k: v.copy() for k, v in server.x_hat.items()}
+    return server, server.advance(_model(1)), x0
+
+
+def test_each_payload_refusal_names_the_tensor_and_what_differs() -> None:
+    server, step, x0 = _step_and_model()
+    w, codec = step.payloads["w"], server.codec
+    bound = max_inner_size(x0["w"].size, x0["w"].ndim)
+    with pytest.raises(ReplicaError, match=f"^w: a {bound + 1}-byte payload, at most {bound} "):
+        check_step_payload("w", b"\0" * (bound + 1), x0["w"], codec, raw=False)
+    with pytest.raises(ReplicaError, match=r"^w: payload shape \(40, 30\) != \(30, 40\)"):
+        check_step_payload("w", w, x0["w"].reshape(30, 40), codec, raw=False)
+    raw_b = step.payloads["b"]  # the float32 tensor b sent raw, checked as an int64 one
+    with pytest.raises(ReplicaError, match=r"^c: payload dtype torch.float32, the server sends "):
+        check_step_payload("c", raw_b, np.zeros(30, np.int64), codec, raw=True)
+
+
+def test_a_step_with_other_tensors_or_bad_scales_is_refused_naming_them() -> None:
+    server, step, x0 = _step_and_model()
+    policy = TensorPolicy()
+    other = Step(0, 1, {"w": step.payloads["w"]}, step.checksum, step.scales)
+    with pytest.raises(ReplicaError, match="the step to version 1 has other tensors than the"):
+        check_step_payloads(other, x0, server.codec, policy)
+    for scales, shown in (({"w": float("nan")}, "'w'=nan"), ({"zz": 1.0}, "'zz'=1.0")):
+        bad = Step(0, 1, step.payloads, step.checksum, scales)
+        with pytest.raises(ReplicaError, match=f"step to version 1: scale {shown}"):
+            check_step_payloads(bad, x0, server.codec, policy)
+
+
+def test_a_float64_model_takes_float32_compressed_steps() -> None:
+    # The server encodes float32 differences whatever the model's dtype; only tensors
+    # sent raw travel in their own dtype.
+    model = {"w": np.random.default_rng(0).normal(size=(40, 30))}
+    server = _server()
+    server.start(model)
+    client = Replica().take_full(server.x_hat, 0, server.checksum)
+    step = server.advance({"w": model["w"] + 0.5})
+    final = client.take_steps([step], 1, server.checksum, codec=server.codec)
+    assert final.arrays["w"].dtype == np.float64 and _same_arrays(final.arrays, server.x_hat)
