@@ -11,14 +11,17 @@ import pytest
 from fedcomp.codecs import TensorPolicy, decode_bytes
 from fedcomp.codecs.entropy import max_inner_size
 from fedcomp.downlink import (
+    MAX_STEPS,
     BroadcastServer,
     Replica,
     ReplicaError,
     Step,
     apply_step,
+    check_chain,
     check_step_bytes,
     check_step_payload,
     check_step_payloads,
+    contraction_scale,
     parse_downlink,
 )
 
@@ -197,3 +200,35 @@ def test_a_float64_model_takes_float32_compressed_steps() -> None:
     step = server.advance({"w": model["w"] + 0.5})
     final = client.take_steps([step], 1, server.checksum, codec=server.codec)
     assert final.arrays["w"].dtype == np.float64 and _same_arrays(final.arrays, server.x_hat)
+    # ... and the replica moves in float64: x_0 + scale * decoded, computed here.
+    decoded = decode_bytes(step.payloads["w"]).numpy().astype(np.float64)
+    assert np.array_equal(final.arrays["w"], model["w"] + step.scales["w"] * decoded)
+
+
+def test_a_chain_longer_than_max_steps_is_refused_naming_both_counts() -> None:
+    steps = [Step(i, i + 1, {}, "") for i in range(MAX_STEPS + 1)]
+    check_chain(steps[:MAX_STEPS], MAX_STEPS)  # the most allowed
+    with pytest.raises(ReplicaError, match=f"^{MAX_STEPS + 1} steps in one instruction, at most "):
+        check_chain(steps, MAX_STEPS + 1)
+
+
+def test_a_payload_is_refused_before_decoding_when_it_claims_more_than_the_tensor() -> None:
+    _, step, x0 = _step_and_model()
+    small = {**x0, "w": np.zeros(30, np.float32)}  # 30 elements; the payload claims 1200
+    with pytest.raises(ReplicaError, match=r"^w: payload claims 1200 elements, above the limit"):
+        apply_step(small, step)
+
+
+def test_a_payload_of_another_shape_is_refused_naming_both_shapes() -> None:
+    _, step, x0 = _step_and_model()
+    turned = {**x0, "w": x0["w"].reshape(30, 40)}  # the same size, another shape
+    with pytest.raises(ReplicaError, match=r"^w: payload shape \(40, 30\) != \(30, 40\)"):
+        apply_step(turned, step)
+
+
+def test_the_contraction_scale_is_the_least_squares_factor_clipped_at_zero() -> None:
+    d, q = np.array([0.1, 0.2], np.float32), np.array([0.1, 0.1], np.float32)
+    d64, q64 = d.astype(np.float64), q.astype(np.float64)
+    assert contraction_scale(d, q) == pytest.approx((d64 @ q64) / (q64 @ q64), rel=1e-12)
+    assert contraction_scale(d, -q) == 0.0  # a step against the difference: not taken
+    assert contraction_scale(d, np.zeros(2, np.float32)) == 1.0  # nothing decoded
