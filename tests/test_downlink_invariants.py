@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from fedcomp.codecs import TensorPolicy, decode_bytes
 from fedcomp.codecs.entropy import max_inner_size
@@ -24,6 +25,7 @@ from fedcomp.downlink import (
     contraction_scale,
     parse_downlink,
 )
+from fedcomp.rng import derive_seed
 
 UNIFORM4 = {"name": "uniform", "bits": 4, "block": 256}
 
@@ -232,3 +234,13 @@ def test_the_contraction_scale_is_the_least_squares_factor_clipped_at_zero() -> 
     assert contraction_scale(d, q) == pytest.approx((d64 @ q64) / (q64 @ q64), rel=1e-12)
     assert contraction_scale(d, -q) == 0.0  # a step against the difference: not taken
     assert contraction_scale(d, np.zeros(2, np.float32)) == 1.0  # nothing decoded
+
+
+def test_a_step_is_the_codec_under_the_public_seed_of_its_version_and_tensor() -> None:
+    # Stochastic rounding (uniform 4 bits) depends on the seed: anyone holding the run
+    # seed can re-encode the step from (run seed, "downlink", version, tensor).
+    server, step, x0 = _step_and_model()
+    diff = torch.from_numpy(_model(1)["w"] - x0["w"])
+    seed = derive_seed(7, "downlink", 1, "w")
+    assert step.payloads["w"] == bytes(server.codec.encode(diff, seed=seed))
+    assert step.payloads["w"] != bytes(server.codec.encode(diff, seed=seed + 1))
