@@ -81,6 +81,7 @@ def test_a_restored_server_continues_exactly_as_the_original(memory: str) -> Non
 def test_an_unstarted_server_checkpoints_no_replica() -> None:
     state = _server("none").state_dict()
     assert state["x_hat"] is None and state["previous"] is None and state["version"] == 0
+    assert state["checksum"] == state["initial_checksum"] == ""  # no version 0 to vouch for
 
 
 def test_the_state_is_a_copy_the_server_does_not_change_afterwards() -> None:
