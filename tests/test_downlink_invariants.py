@@ -5,6 +5,8 @@ here from the definitions (docs/downlink.md)."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -71,8 +73,9 @@ def test_a_restored_server_continues_exactly_as_the_original(memory: str) -> Non
     assert [(s.source, s.target, s.payloads, s.checksum, s.scales) for s in restored.history] == (
         fields
     )
-    # Error feedback scales the compressed tensor's step: the scales are part of the state.
-    assert (memory == "error_feedback") == any(s.scales for s in server.history)
+    # Error feedback scales the compressed tensor alone (raw tensors carry their value).
+    want = {"w"} if memory == "error_feedback" else set()
+    assert all(set(s.scales) == want for s in server.history)
     # The next step is the same bytes from both (x_hat, and x_{t-1} for memory none).
     a, b = server.advance(_model(4)), restored.advance(_model(4))
     assert (a.payloads, a.scales, a.checksum) == (b.payloads, b.scales, b.checksum)
@@ -245,3 +248,21 @@ def test_a_step_is_the_codec_under_the_public_seed_of_its_version_and_tensor() -
     seed = derive_seed(7, "downlink", 1, "w")
     assert step.payloads["w"] == bytes(server.codec.encode(diff, seed=seed))
     assert step.payloads["w"] != bytes(server.codec.encode(diff, seed=seed + 1))
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"name": "fp16", "memory": "x"}, "downlink.memory='x': allowed: error_feedback, none"),
+        ({"name": "fp16", "initial": "x"}, "downlink.initial='x': allowed: sent, seeded"),
+        ({"name": "nope"}, "downlink.name='nope': a stateless codec: bf16, dither, "),
+        ({"name": "nope"}, "memories and joint codes cannot encode a broadcast"),
+        (
+            {"name": "uniform", "bits": 99},
+            "downlink={'name': 'uniform', 'bits': 99}: uniform: bits must be an integer",
+        ),
+    ],
+)
+def test_bad_downlink_settings_name_the_key_the_value_and_what_is_allowed(spec, message) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_downlink(spec)
