@@ -126,6 +126,14 @@ def test_drift_is_the_relative_distance_over_the_float_tensors() -> None:
     )
     den = sum(float(np.sum(x_t[k].astype(np.float64) ** 2)) for k in ("w", "b"))
     assert server.drift(x_t) == pytest.approx(np.sqrt(num / den), rel=1e-12)
+    tiny = {k: v * np.float32(1e-3) if v.dtype.kind == "f" else v for k, v in x_t.items()}
+    den_tiny = sum(float(np.sum(tiny[k].astype(np.float64) ** 2)) for k in ("w", "b"))
+    assert 0 < den_tiny < 1  # a model of norm below 1 still has a drift
+    num_tiny = sum(
+        float(np.sum((server.x_hat[k].astype(np.float64) - tiny[k].astype(np.float64)) ** 2))
+        for k in ("w", "b")
+    )
+    assert server.drift(tiny) == pytest.approx(np.sqrt(num_tiny / den_tiny), rel=1e-12)
     zeros = {k: np.zeros_like(v) for k, v in x_t.items()}
     assert server.drift(zeros) == 0.0  # no norm to divide by: defined as 0
 
