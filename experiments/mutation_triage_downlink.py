@@ -647,9 +647,9 @@ TRIAGE: dict[str, tuple[str, str, str]] = {
         "the checked payloads are parsed again from the same bytes: the same values, a second parse's work only",
     ),
     "fedcomp.downlink.xǁReplicaǁtake_steps__mutmut_47": (
-        "ReplicaError(None)",
+        "raise ReplicaError(None)",
         M,
-        "the refusal of steps that leave the replica short of the server's version is raised, but its message (both versions) is untested: a test is owed",
+        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
     ),
 }
 
@@ -671,6 +671,5 @@ NOTES = (
     "seconds per survivor here) is owed and would record them as killed. The rest are "
     "equivalent or not worth a test (message text of guards no input reaches, copy flags, "
     "float64-only rounding of the contraction scale's input, byte-exact boundaries "
-    "where both choices cost the same); one missing invariant has no test yet "
-    "(take_steps' message when the steps leave the replica short of the target)."
+    "where both choices cost the same)."
 )

@@ -274,3 +274,14 @@ def test_a_step_is_the_codec_under_the_public_seed_of_its_version_and_tensor() -
 def test_bad_downlink_settings_name_the_key_the_value_and_what_is_allowed(spec, message) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         parse_downlink(spec)
+
+
+def test_a_replica_ahead_of_the_server_is_refused_naming_both_versions() -> None:
+    server = _server()
+    server.start(_model(0))
+    client = Replica().take_full(server.x_hat, 0, server.checksum)
+    steps = [server.advance(_model(i)) for i in (1, 2, 3)]
+    ahead = client.take_steps(steps, 3, server.checksum)
+    # Steps it has applied already, ending at version 2: nothing moves it back.
+    with pytest.raises(ReplicaError, match=r"^replica at version 3, the server is at 2$"):
+        ahead.take_steps(steps[:2], 2, steps[1].checksum)
