@@ -139,7 +139,11 @@ EXTRA_SCOPES: tuple[Scope, ...] = (
     Scope(
         name="downlink",
         files=("fedcomp/downlink.py",),
-        tests=("tests/test_downlink.py", "tests/test_hostile_server.py"),
+        tests=(
+            "tests/test_downlink.py",
+            "tests/test_hostile_server.py",
+            "tests/test_downlink_invariants.py",
+        ),
         summary="experiments/results/mutation_downlink.md",
         triage="experiments.mutation_triage_downlink",
         deselect=(
@@ -160,7 +164,11 @@ EXTRA_SCOPES: tuple[Scope, ...] = (
             "fedcomp/trees/reduce.py",
             "fedcomp/trees/structure.py",
         ),
-        tests=("tests/test_trees.py", "tests/test_tree_aggregation.py"),
+        tests=(
+            "tests/test_trees.py",
+            "tests/test_tree_aggregation.py",
+            "tests/test_tree_invariants.py",
+        ),
         summary="experiments/results/mutation_trees.md",
         triage="experiments.mutation_triage_trees",
     ),
