@@ -16,100 +16,25 @@ TRIAGE: dict[str, tuple[str, str, str]] = {
         E,
         "an empty and a one-element array of a dtype give torch the same dtype",
     ),
-    "fedcomp.downlink.x_apply_step__mutmut_10": (
-        "value, raw = decode_payload_for(None, step.payloads[name], current)",
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
-    "fedcomp.downlink.x_apply_step__mutmut_33": (
-        "out[name] = move(current, value, raw, step.scales.get(name, None))",
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
-    "fedcomp.downlink.x_apply_step__mutmut_35": (
-        "out[name] = move(current, value, raw, step.scales.get(name, ))",
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
-    "fedcomp.downlink.x_apply_step__mutmut_36": (
-        "out[name] = move(current, value, raw, step.scales.get(name, 2.0))",
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
     "fedcomp.downlink.x_apply_step__mutmut_5": (
         "XXthe step",
         N,
         "only the message's wording changes (wrapped in XX); the refusal is tested",
-    ),
-    "fedcomp.downlink.x_check_chain__mutmut_2": (
-        "raise ReplicaError(None)",
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
-    "fedcomp.downlink.x_check_step_bytes__mutmut_4": (
-        "if total >= dense:",
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
     ),
     "fedcomp.downlink.x_check_step_payload__mutmut_12": (
         "parse_payload(payload, )",
         E,
         "a header claiming another element count is refused by the shape check right after, still before decoding and as a ReplicaError naming the tensor",
     ),
-    "fedcomp.downlink.x_check_step_payload__mutmut_15": (
-        "raise ValueError(None)",
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
-    "fedcomp.downlink.x_check_step_payload__mutmut_18": (
-        "want = _torch_dtype(current.dtype) if (raw) or True else torch.float32",
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
-    "fedcomp.downlink.x_check_step_payload__mutmut_21": (
-        "raise ValueError(None)",
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
     "fedcomp.downlink.x_check_step_payload__mutmut_6": (
         "len(payload) >= bound",
         N,
         "one byte at the bound: a payload exactly max_inner_size long is refused, which no codec's payload for the tensor reaches (the bound caps a hostile payload's work)",
     ),
-    "fedcomp.downlink.x_check_step_payload__mutmut_7": (
-        "raise ReplicaError(None)",
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
-    "fedcomp.downlink.x_check_step_payloads__mutmut_4": (
-        "raise ReplicaError(None)",
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
-    "fedcomp.downlink.x_check_step_payloads__mutmut_5": (
-        "if name not in arrays and not math.isfinite(scale):",
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
-    "fedcomp.downlink.x_check_step_payloads__mutmut_9": (
-        "raise ReplicaError(None)",
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
     "fedcomp.downlink.x_checksum__mutmut_3": (
         "digest_size=9",
         N,
         "a longer digest computed the same way on both sides: only the string's length changes",
-    ),
-    "fedcomp.downlink.x_contraction_scale__mutmut_16": (
-        "return max(float(d @ q) / qq, 0.0) if qq > 1 else 1.0",
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
-    "fedcomp.downlink.x_contraction_scale__mutmut_17": (
-        "return max(float(d @ q) / qq, 0.0) if qq > 0 else 2.0",
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
     ),
     "fedcomp.downlink.x_contraction_scale__mutmut_2": (
         "difference.astype(None)",
@@ -121,40 +46,10 @@ TRIAGE: dict[str, tuple[str, str, str]] = {
         E,
         "astype(None) is astype(float64) in numpy: the same float64 values",
     ),
-    "fedcomp.downlink.x_decode_parsed__mutmut_10": (
-        "raise ReplicaError(None)",
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
-    "fedcomp.downlink.x_decode_parsed__mutmut_11": (
-        'raise ReplicaError(f"{name}: payload shape {tuple(None)} != {current.shape}")',
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
     "fedcomp.downlink.x_decode_parsed__mutmut_4": (
         "ValueError(None)",
         N,
         "only the message of an unknown codec id changes: still a ReplicaError naming the tensor",
-    ),
-    "fedcomp.downlink.x_decode_parsed__mutmut_7": (
-        "raise ReplicaError(None) from exc",
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
-    "fedcomp.downlink.x_decode_payload_for__mutmut_5": (
-        "parsed = parse_payload(payload, )",
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
-    "fedcomp.downlink.x_decode_payload_for__mutmut_6": (
-        "raise ReplicaError(None) from exc",
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
-    "fedcomp.downlink.x_decode_payload_for__mutmut_7": (
-        "return decode_parsed(None, parsed, current)",
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
     ),
     "fedcomp.downlink.x_encode_step__mutmut_15": (
         "seed=None",
@@ -180,16 +75,6 @@ TRIAGE: dict[str, tuple[str, str, str]] = {
         "differences[name], )",
         E,
         "the differences are already float32 (BroadcastServer.advance computes them so): the same tensor",
-    ),
-    "fedcomp.downlink.x_encode_step__mutmut_34": (
-        "seed = derive_seed(run_seed, version, name)",
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
-    "fedcomp.downlink.x_encode_step__mutmut_36": (
-        "seed = derive_seed(run_seed, SEED_PURPOSE, version, )",
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
     ),
     "fedcomp.downlink.x_move__mutmut_10": (
         "result_type(current.dtype, )",
@@ -261,105 +146,10 @@ TRIAGE: dict[str, tuple[str, str, str]] = {
         E,
         "whether numpy copies: the values are the same, and the result is a fresh array either way (decoded tensors are new, astype to another dtype copies)",
     ),
-    "fedcomp.downlink.x_move__mutmut_9": (
-        "work = np.result_type(np.float32)",
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
-    "fedcomp.downlink.x_parse_downlink__mutmut_15": (
-        'fail("downlink.memory", memory, None)',
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
-    "fedcomp.downlink.x_parse_downlink__mutmut_22": (
-        'fail("downlink.memory", memory, f"allowed: {\'XX, XX\'.join(MEMORIES)}")',
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
-    "fedcomp.downlink.x_parse_downlink__mutmut_33": (
-        "fail(None, initial, f\"allowed: {', '.join(INITIALS)}\")",
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
-    "fedcomp.downlink.x_parse_downlink__mutmut_34": (
-        'fail("downlink.initial", None, f"allowed: {\', \'.join(INITIALS)}")',
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
-    "fedcomp.downlink.x_parse_downlink__mutmut_35": (
-        'fail("downlink.initial", initial, None)',
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
-    "fedcomp.downlink.x_parse_downlink__mutmut_36": (
-        "fail(initial, f\"allowed: {', '.join(INITIALS)}\")",
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
-    "fedcomp.downlink.x_parse_downlink__mutmut_37": (
-        'fail("downlink.initial", f"allowed: {\', \'.join(INITIALS)}")',
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
-    "fedcomp.downlink.x_parse_downlink__mutmut_38": (
-        'fail("downlink.initial", initial, )',
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
-    "fedcomp.downlink.x_parse_downlink__mutmut_39": (
-        'fail("XXdownlink.initialXX", initial, f"allowed: {\', \'.join(INITIALS)}")',
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
-    "fedcomp.downlink.x_parse_downlink__mutmut_40": (
-        'fail("DOWNLINK.INITIAL", initial, f"allowed: {\', \'.join(INITIALS)}")',
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
-    "fedcomp.downlink.x_parse_downlink__mutmut_41": (
-        'fail("downlink.initial", initial, f"allowed: {\', \'.join(None)}")',
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
-    "fedcomp.downlink.x_parse_downlink__mutmut_42": (
-        'fail("downlink.initial", initial, f"allowed: {\'XX, XX\'.join(INITIALS)}")',
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
-    "fedcomp.downlink.x_parse_downlink__mutmut_54": (
-        "None,",
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
-    "fedcomp.downlink.x_parse_downlink__mutmut_61": (
-        "f\"a stateless codec: {'XX, XX'.join(allowed)} (fp32: no compression, no replica); \"",
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
     "fedcomp.downlink.x_parse_downlink__mutmut_62": (
         "XXmemories",
         N,
         "only the message's wording changes (wrapped in XX); the refusal is tested",
-    ),
-    "fedcomp.downlink.x_parse_downlink__mutmut_63": (
-        '"MEMORIES AND JOINT CODES CANNOT ENCODE A BROADCAST",',
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
-    "fedcomp.downlink.x_parse_downlink__mutmut_67": (
-        'fail("downlink", None, str(exc))',
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
-    "fedcomp.downlink.x_parse_downlink__mutmut_68": (
-        'fail("downlink", spec, None)',
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
-    "fedcomp.downlink.x_parse_downlink__mutmut_74": (
-        'fail("downlink", spec, str(None))',
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
     ),
     "fedcomp.downlink.x_parse_downlink__mutmut_76": (
         "",
@@ -411,26 +201,6 @@ TRIAGE: dict[str, tuple[str, str, str]] = {
         N,
         "a guard no setting reaches: every name the check above allows (codec_names, raw excluded) builds a stateless codec",
     ),
-    "fedcomp.downlink.xǁBroadcastServerǁ__init____mutmut_10": (
-        'self.checksum = "XXXX"',
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
-    "fedcomp.downlink.xǁBroadcastServerǁ__init____mutmut_14": (
-        "self.initial_checksum = None",
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
-    "fedcomp.downlink.xǁBroadcastServerǁ__init____mutmut_15": (
-        'self.initial_checksum = "XXXX"',
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
-    "fedcomp.downlink.xǁBroadcastServerǁ__init____mutmut_9": (
-        "self.checksum = None",
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
     "fedcomp.downlink.xǁBroadcastServerǁadvance__mutmut_15": (
         "dtype=None",
         N,
@@ -461,11 +231,6 @@ TRIAGE: dict[str, tuple[str, str, str]] = {
         N,
         "the message of a programming error (advance before start), not a protocol refusal",
     ),
-    "fedcomp.downlink.xǁBroadcastServerǁadvance__mutmut_34": (
-        "x_t, differences, self.codec, self.policy, seed_parts=(self.run_seed, self.version + 2)",
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
     "fedcomp.downlink.xǁBroadcastServerǁadvance__mutmut_37": (
         "decode_payload_for(None",
         N,
@@ -476,135 +241,25 @@ TRIAGE: dict[str, tuple[str, str, str]] = {
         N,
         "the message of a programming error (advance before start), not a protocol refusal",
     ),
-    "fedcomp.downlink.xǁBroadcastServerǁadvance__mutmut_43": (
-        'if not raw or self.spec.memory == "error_feedback":',
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
     "fedcomp.downlink.xǁBroadcastServerǁadvance__mutmut_5": (
         "BROADCASTSERVER",
         N,
         "the message of a programming error (advance before start), not a protocol refusal",
-    ),
-    "fedcomp.downlink.xǁBroadcastServerǁadvance__mutmut_66": (
-        "x_hat[name] = move(current, value, raw, scales.get(name, 2.0))",
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
     ),
     "fedcomp.downlink.xǁBroadcastServerǁadvance__mutmut_90": (
         ">= self.full_nbytes",
         N,
         "at exactly the model's bytes the oldest step is dropped one step early: steps_for then sends the model, which costs the same",
     ),
-    "fedcomp.downlink.xǁBroadcastServerǁconfirm__mutmut_5": (
-        "self.full_next.discard(None)",
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
-    "fedcomp.downlink.xǁBroadcastServerǁconfirm__mutmut_9": (
-        "self.confirmed.pop(client, )",
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
-    "fedcomp.downlink.xǁBroadcastServerǁdrift__mutmut_10": (
-        "break",
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
     "fedcomp.downlink.xǁBroadcastServerǁdrift__mutmut_17": (
         "astype(None)",
         E,
         "astype(None) is astype(float64) in numpy: the same float64 values",
     ),
-    "fedcomp.downlink.xǁBroadcastServerǁdrift__mutmut_2": (
-        "num = den = 1.0",
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
     "fedcomp.downlink.xǁBroadcastServerǁdrift__mutmut_24": (
         "astype(None)",
         E,
         "astype(None) is astype(float64) in numpy: the same float64 values",
-    ),
-    "fedcomp.downlink.xǁBroadcastServerǁdrift__mutmut_27": (
-        "return float(np.sqrt(num / den)) if (den > 0) or True else 0.0",
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
-    "fedcomp.downlink.xǁBroadcastServerǁdrift__mutmut_31": (
-        "return float(np.sqrt(num / den)) if den >= 0 else 0.0",
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
-    "fedcomp.downlink.xǁBroadcastServerǁdrift__mutmut_32": (
-        "return float(np.sqrt(num / den)) if den > 1 else 0.0",
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
-    "fedcomp.downlink.xǁBroadcastServerǁdrift__mutmut_33": (
-        "return float(np.sqrt(num / den)) if den > 0 else 1.0",
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
-    "fedcomp.downlink.xǁBroadcastServerǁdrift__mutmut_5": (
-        'if value.dtype.kind != "f" and self.x_hat is None:',
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
-    "fedcomp.downlink.xǁBroadcastServerǁforget__mutmut_4": (
-        "self.full_next.add(None)",
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
-    "fedcomp.downlink.xǁBroadcastServerǁload_state_dict__mutmut_1": (
-        "self.x_hat = None",
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
-    "fedcomp.downlink.xǁBroadcastServerǁload_state_dict__mutmut_21": (
-        'self.history = deque(Step(a, b, dict(p), c, None) for a, b, p, c, f in state["history"])',
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
-    "fedcomp.downlink.xǁBroadcastServerǁload_state_dict__mutmut_26": (
-        'self.history = deque(Step(a, b, dict(p), c, ) for a, b, p, c, f in state["history"])',
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
-    "fedcomp.downlink.xǁBroadcastServerǁload_state_dict__mutmut_36": (
-        "self.initial_checksum = None",
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
-    "fedcomp.downlink.xǁBroadcastServerǁload_state_dict__mutmut_37": (
-        "self.initial_checksum = str(None)",
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
-    "fedcomp.downlink.xǁBroadcastServerǁload_state_dict__mutmut_4": (
-        "self.previous = None",
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
-    "fedcomp.downlink.xǁBroadcastServerǁstate_dict__mutmut_3": (
-        '"x_hat": None if (self.x_hat is None) and False else {k: v.copy() for k, v in self.x_hat.items()},',
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
-    "fedcomp.downlink.xǁBroadcastServerǁstate_dict__mutmut_4": (
-        '"x_hat": None if (self.x_hat is None) or True else {k: v.copy() for k, v in self.x_hat.items()},',
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
-    "fedcomp.downlink.xǁBroadcastServerǁstate_dict__mutmut_5": (
-        '"x_hat": None if self.x_hat is not None else {k: v.copy() for k, v in self.x_hat.items()},',
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
-    ),
-    "fedcomp.downlink.xǁBroadcastServerǁstate_dict__mutmut_9": (
-        "if (self.previous is None) or True",
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
     ),
     "fedcomp.downlink.xǁBroadcastServerǁsteps_for__mutmut_24": (
         "> self.full_nbytes",
@@ -645,11 +300,6 @@ TRIAGE: dict[str, tuple[str, str, str]] = {
         "apply_step(arrays, step, )",
         N,
         "the checked payloads are parsed again from the same bytes: the same values, a second parse's work only",
-    ),
-    "fedcomp.downlink.xǁReplicaǁtake_steps__mutmut_47": (
-        "raise ReplicaError(None)",
-        M,
-        "now pinned by tests/test_downlink_invariants.py: killed when run against it by hand (MUTANT_UNDER_TEST); the scope's --rerun-survivors is owed",
     ),
 }
 
