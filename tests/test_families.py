@@ -124,3 +124,18 @@ def test_the_joint_family_has_a_plan_and_a_mean_of_its_own() -> None:
     stateless = family_of(make_codec_from_spec({"name": "uniform", "bits": 2}))
     assert not stateless.sends_policy
     assert stateless.server(None, 0, None).reducer() is None
+
+
+@pytest.mark.parametrize("value", [True, 1.0, "1", [1]])
+def test_a_residual_header_field_that_is_not_an_int_is_malformed(value) -> None:
+    """Version, checksum mode and sync fields are integers; a bool (an int subclass in
+    Python), a float, a string or a list is the sender's malformed reply, not a crash."""
+    from fedcomp.failures import Failure
+    from fedcomp.flower.families.residual import int_field
+    from fedcomp.flower.validation import ReplyError
+
+    assert int_field(ConfigRecord({"k": 3}), "k", -1) == 3
+    assert int_field(ConfigRecord({}), "k", -1) == -1
+    with pytest.raises(ReplyError, match=r"header field k=.* is not an integer") as info:
+        int_field(ConfigRecord({"k": value}), "k", -1)
+    assert info.value.kind is Failure.MALFORMED

@@ -17,7 +17,6 @@ from collections.abc import Callable
 from flwr.app import Message
 
 from fedcomp.aggregate import RunningMean
-from fedcomp.codecs import make_codec_from_spec
 from fedcomp.failures import Failure
 from fedcomp.flower.families.base import DecodedUpdate, ServerHalf
 from fedcomp.flower.rejection import reject
@@ -29,8 +28,6 @@ from fedcomp.flower.validation import (
 from fedcomp.influence import MAX_NUM_EXAMPLES, update_norm
 
 log = logging.getLogger("fedcomp.flower.strategy")  # one logger for the wrapper's lines
-
-_FP32 = make_codec_from_spec({"name": "fp32"})
 
 
 class ReplyDecoder:

@@ -19,9 +19,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord
 
 from fedcomp.codecs import Codec, TensorPolicy
-from fedcomp.failures import Failure
 from fedcomp.flower.memory_state import MemoryState
-from fedcomp.flower.validation import ReplyError
 from fedcomp.rng import derive_seed
 
 
@@ -70,14 +68,6 @@ class DecodedUpdate:
     pending: Any = None
     #: Residual memory: the reply's sync mode.
     sync: int = 0
-
-
-def int_field(header: ConfigRecord, key: str, default: int) -> int:
-    """An integer header field; anything else is a malformed reply, not a crash."""
-    value = header.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ReplyError(f"header field {key}={value!r} is not an integer", Failure.MALFORMED)
-    return value
 
 
 LoadMemory = Callable[[], MemoryState]

@@ -30,6 +30,7 @@ from fedcomp.controlvariates import (
     encode_residual,
     residual_header,
 )
+from fedcomp.failures import Failure
 from fedcomp.flower.families.base import (
     DecodedUpdate,
     Encoded,
@@ -37,16 +38,23 @@ from fedcomp.flower.families.base import (
     Instruction,
     LoadMemory,
     ServerHalf,
-    int_field,
 )
-from fedcomp.flower.families.stateless import StatelessServer
-from fedcomp.flower.validation import compressed_names
+from fedcomp.flower.families.feedback import FeedbackServer
+from fedcomp.flower.validation import ReplyError, compressed_names
 from fedcomp.keys import KEY_ACK_ROUND, KEY_CV_CHECKSUM, KEY_CV_VERSION, KEY_RESYNC
 
 _FP32 = make_codec_from_spec({"name": "fp32"})
 
 
-class ResidualServer(StatelessServer):
+def int_field(header: ConfigRecord, key: str, default: int) -> int:
+    """An integer header field; anything else is a malformed reply, not a crash."""
+    value = header.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ReplyError(f"header field {key}={value!r} is not an integer", Failure.MALFORMED)
+    return value
+
+
+class ResidualServer(FeedbackServer):
     """The server's mirrors of the clients' control variates, and each reply decoded
     against its client's mirror."""
 
@@ -56,9 +64,6 @@ class ResidualServer(StatelessServer):
         super().__init__(codec, policy, run_seed)
         self.cv = ControlVariateServer(codec, MirrorStore(mirror_dir or None))
         self.mirror_dir = mirror_dir
-
-    def wire_codec(self, server_round: int) -> Codec:
-        return self.codec.inner_for_round(server_round)
 
     def decode(
         self, payloads: ArrayRecord, header: ConfigRecord, stable_id: int, state: Any
