@@ -23,8 +23,15 @@ from flwr.clientapp.typing import ClientAppCallable
 from flwr.common.constant import ErrorCode
 
 from fedcomp.flower.identity import stable_id_of
+from fedcomp.flower.reply_format import payloads_of, replace_payloads
 from fedcomp.flower.shared_settings import held_task
-from fedcomp.keys import FAULT_REASON_PREFIX, KEY_ROUND, KEY_RUN_SEED, RECORD_PAYLOAD
+from fedcomp.keys import (
+    FAULT_REASON_PREFIX,
+    KEY_PAYLOADS,
+    KEY_ROUND,
+    KEY_RUN_SEED,
+    RECORD_HEADER,
+)
 from fedcomp.rng import numpy_generator
 
 #: Fault kinds in the order their probability intervals are laid out.
@@ -61,17 +68,14 @@ def _fault_of(msg: Message, ctxt: Context):
 
 def _truncated(reply: Message, msg: Message, seed: int) -> Message:
     """The reply with one payload cut short (detectable: sizes no longer match)."""
-    payloads = reply.content[RECORD_PAYLOAD]
-    names = list(payloads.keys())
+    payloads = {n: bytes(p) for n, p in payloads_of(reply.content[RECORD_HEADER]).items()}
+    names = list(payloads)
     rng = np.random.default_rng(seed)
     name = names[int(rng.integers(len(names)))]
-    data = bytes(payloads[name].data)
-    cut = data[: int(rng.integers(len(data)))] if data else b""
-    arrays = {n: payloads[n] for n in names}
-    arrays[name] = Array(dtype="uint8", shape=(len(cut),), stype="raw", data=cut)
-    content = RecordDict({k: v for k, v in reply.content.items() if k != RECORD_PAYLOAD})
-    content[RECORD_PAYLOAD] = ArrayRecord(arrays)
-    return Message(content, reply_to=msg)
+    data = payloads[name]
+    payloads[name] = data[: int(rng.integers(len(data)))] if data else b""
+    replace_payloads(reply.content, payloads)
+    return Message(reply.content, reply_to=msg)
 
 
 class FaultMod:
@@ -97,7 +101,8 @@ class FaultMod:
                 Error(code=ErrorCode.UNKNOWN, reason=REASON_PREFIX + "drop_reply"),
                 reply_to=msg,
             )
-        if fault == "corrupt_payload" and RECORD_PAYLOAD in reply.content.array_records:
+        header = reply.content.config_records.get(RECORD_HEADER)
+        if fault == "corrupt_payload" and header is not None and KEY_PAYLOADS in header:
             seed = int(config[KEY_RUN_SEED]) * 7919 + int(config[KEY_ROUND])
             return _truncated(reply, msg, seed)
         return reply

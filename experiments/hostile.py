@@ -14,7 +14,6 @@ import struct
 
 import numpy as np
 from flwr.app import (
-    Array,
     ArrayRecord,
     ConfigRecord,
     Message,
@@ -26,19 +25,21 @@ from flwr.app import (
 from clients.client_app import make_client_app
 from experiments.inprocess import InProcessGrid, initial_arrays, set_task_identity
 from experiments.memory import address_space_cap, peak_rss, reset_peak_rss
+from fedcomp.bundle import pack_bundle
 from fedcomp.failures import Failure
 from fedcomp.flower.options import IdentityOptions, ServerOptions
+from fedcomp.flower.reply_format import payloads_of
 from fedcomp.flower.strategy import CompressedStrategy
 from fedcomp.handoff_options import Aggregation
 from fedcomp.keys import (
     KEY_CV_VERSION,
     KEY_NUM_EXAMPLES,
+    KEY_PAYLOADS,
     KEY_PROTOCOL,
     KEY_RESYNC,
     KEY_ROUND,
     KEY_STABLE_ID,
     RECORD_HEADER,
-    RECORD_PAYLOAD,
 )
 from fedcomp.settings import settings_from_dict
 from strategies.inner import make_inner_strategy
@@ -57,13 +58,13 @@ def _replace(reply: Message, instruction: Message, **records) -> Message:
 
 
 def _map_payloads(reply: Message, instruction: Message, change) -> Message:
-    payloads = reply.content.array_records[RECORD_PAYLOAD]
+    payloads = payloads_of(reply.content.config_records[RECORD_HEADER])
     changed = {}
-    for name in payloads.keys():
-        buf = bytearray(payloads[name].data)
+    for name, payload in payloads.items():
+        buf = bytearray(payload)
         change(name, buf)
-        changed[name] = _raw_array(bytes(buf))
-    return _replace(reply, instruction, **{RECORD_PAYLOAD: ArrayRecord(changed)})
+        changed[name] = bytes(buf)
+    return _header(reply, instruction, **{KEY_PAYLOADS: pack_bundle(changed)})
 
 
 def _header(reply: Message, instruction: Message, **fields) -> Message:
@@ -71,11 +72,6 @@ def _header(reply: Message, instruction: Message, **fields) -> Message:
     for key, value in fields.items():
         header[key] = value
     return _replace(reply, instruction, **{RECORD_HEADER: header})
-
-
-def _raw_array(buf: bytes) -> Array:
-    """A payload as the mod sends it: raw uint8 bytes, no np.save header."""
-    return Array(dtype="uint8", shape=(len(buf),), stype="raw", data=buf)
 
 
 def _body_offset(buf: bytearray) -> int:
@@ -137,11 +133,11 @@ def future_protocol(pid, reply, instruction):
 
 
 def renamed_tensor(pid, reply, instruction):
-    """A reply whose payload record names a tensor the model does not have."""
-    payloads = reply.content.array_records[RECORD_PAYLOAD]
+    """A reply whose payload bundle names a tensor the model does not have."""
+    payloads = payloads_of(reply.content.config_records[RECORD_HEADER])
     names = list(payloads.keys())
     renamed = {("evil." + n if i == 0 else n): payloads[n] for i, n in enumerate(names)}
-    return _replace(reply, instruction, **{RECORD_PAYLOAD: ArrayRecord(renamed)})
+    return _header(reply, instruction, **{KEY_PAYLOADS: pack_bundle(renamed)})
 
 
 def wrong_dtype(pid, reply, instruction):
@@ -152,6 +148,29 @@ def wrong_dtype(pid, reply, instruction):
             buf[4] = 3
 
     return _map_payloads(reply, instruction, change)
+
+
+def bundle_count_bomb(pid, reply, instruction):
+    """A payload bundle whose count field claims 2^32 - 1 payloads."""
+    header = reply.content.config_records[RECORD_HEADER]
+    blob = bytearray(header[KEY_PAYLOADS])
+    struct.pack_into("<I", blob, 3, 2**32 - 1)  # after the magic and the version
+    return _header(reply, instruction, **{KEY_PAYLOADS: bytes(blob)})
+
+
+def bundle_length_bomb(pid, reply, instruction):
+    """A payload bundle whose first payload claims 2^32 - 1 bytes."""
+    header = reply.content.config_records[RECORD_HEADER]
+    blob = bytearray(header[KEY_PAYLOADS])
+    (name_length,) = struct.unpack_from("<H", blob, 7)
+    struct.pack_into("<I", blob, 9 + name_length, 2**32 - 1)
+    return _header(reply, instruction, **{KEY_PAYLOADS: bytes(blob)})
+
+
+def payloads_as_text(pid, reply, instruction):
+    """The payload bundle replaced by a string of the same length."""
+    header = reply.content.config_records[RECORD_HEADER]
+    return _header(reply, instruction, **{KEY_PAYLOADS: "x" * len(header[KEY_PAYLOADS])})
 
 
 def extra_train_metric(pid, reply, instruction):
@@ -189,6 +208,9 @@ SCENARIOS = [
     (future_protocol, Failure.PROTOCOL, 1),
     (renamed_tensor, Failure.BAD_LAYOUT, 1),
     (wrong_dtype, Failure.BAD_LAYOUT, 1),
+    (bundle_count_bomb, Failure.BAD_LAYOUT, 1),
+    (bundle_length_bomb, Failure.BAD_LAYOUT, 1),
+    (payloads_as_text, Failure.BAD_LAYOUT, 1),
     (extra_train_metric, Failure.BAD_METRICS, 1),
     (list_train_metric, Failure.BAD_METRICS, 1),
     (nan_train_metric, Failure.BAD_METRICS, 1),

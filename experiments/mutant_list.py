@@ -426,4 +426,20 @@ MUTANTS = (
         "    return bool(total > 0)",
         ("tests/test_bounded_influence.py",),
     ),
+    Mutant(
+        "bundle-trailing-bytes",
+        "a payload bundle with bytes after its last payload is accepted",
+        "fedcomp/bundle.py",
+        "    if sizes != len(view) - offset:",
+        "    if sizes > len(view) - offset:",
+        ("tests/test_bundle.py",),
+    ),
+    Mutant(
+        "fp32-reference-keeps-the-compact-content",
+        "a train reply's fp32 reference does not subtract the compact content it replaces",
+        "fedcomp/flower/round_records.py",
+        "            - wire_bytes(item.message.content)\n",
+        "",
+        ("tests/test_pipeline_inprocess.py",),
+    ),
 )

@@ -6,7 +6,9 @@ instead, as Flower's DP mods and wrappers do.
 """
 
 #: Version of the fedcomp message protocol (header fields and record layout).
-PROTOCOL_VERSION = 1
+#: 2: compact messages, every payload of a message in one bundle (fedcomp.bundle)
+#: inside its header or config record; 1: one Array per payload.
+PROTOCOL_VERSION = 2
 
 # --- Instruction (server -> client) config keys -----------------------------------
 #: JSON-encoded codec spec, e.g. ``{"name": "fp32"}``. Its presence tells the mod
@@ -37,7 +39,7 @@ KEY_JOINT_CLIENTS = "fedcomp.joint-clients"
 KEY_JOINT_TAU = "fedcomp.joint-tau"
 #: Downlink replica (fedcomp.downlink): how this instruction carries the model
 #: ("full": x_hat under the strategy's arrays key; "steps": the payloads of the steps
-#: the client lacks, in RECORD_DOWNLINK, and no model), the version and checksum of
+#: the client lacks, in KEY_DOWNLINK_PAYLOADS, and no model), the version and checksum of
 #: x_hat it brings the client to, and the arrays key the mod rebuilds the model under.
 KEY_DOWNLINK = "fedcomp.downlink"
 DOWNLINK_FULL = "full"
@@ -48,9 +50,10 @@ KEY_DOWNLINK_ARRAYS = "fedcomp.downlink-arrays"
 #: The downlink codec spec (JSON) in "steps" instructions: the client refuses any step
 #: payload this codec (or the raw value, for tensors the policy sends raw) does not build.
 KEY_DOWNLINK_CODEC = "fedcomp.downlink-codec"
-#: ArrayRecord of downlink steps: one packed uint8 payload per "<target>/<tensor>";
-#: the steps themselves as JSON [[source, target, checksum], ...] in KEY_DOWNLINK_STEPS.
-RECORD_DOWNLINK = "fedcomp.downlink-steps"
+#: The downlink steps' payloads, one bundle (fedcomp.bundle) of "<target>/<tensor>"
+#: entries; the steps themselves as JSON [[source, target, checksum, scales], ...] in
+#: KEY_DOWNLINK_STEPS.
+KEY_DOWNLINK_PAYLOADS = "fedcomp.downlink-payloads"
 KEY_DOWNLINK_STEPS = "fedcomp.downlink-steps"
 #: Digest of the run settings (codec, policy, task) the instruction means; the values
 #: themselves travel only until the client's reply header confirms the digest
@@ -61,10 +64,12 @@ KEY_QUERY = "fedcomp.query"
 QUERY_IDENTITY = "identity"
 
 # --- Reply (client -> server) record names and header keys ------------------------
-#: ArrayRecord holding one packed uint8 payload per tensor.
-RECORD_PAYLOAD = "fedcomp.payload"
-#: ConfigRecord holding the reply header.
+#: ConfigRecord holding the reply header and, in train replies, KEY_PAYLOADS.
 RECORD_HEADER = "fedcomp.header"
+#: The train reply's payloads: one bundle (fedcomp.bundle), one entry per tensor in
+#: model order. A compressed reply is three Flower objects besides its Message: the
+#: RecordDict, this header and the metrics.
+KEY_PAYLOADS = "fedcomp.payloads"
 #: ConfigRecord in identity replies.
 RECORD_IDENTITY = "fedcomp.identity"
 #: Stable client id (the partition id unless configured otherwise).

@@ -18,7 +18,7 @@ import sys
 
 import numpy as np
 import pytest
-from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+from flwr.app import MetricRecord, RecordDict
 
 from experiments.hostile import (
     HONEST,
@@ -32,6 +32,7 @@ from experiments.hostile import (
 )
 from fedcomp.failures import Failure, RunFailed
 from fedcomp.flower.outcome import best_loss, fail_if_not_learning, not_learning
+from fedcomp.flower.reply_format import reply_content
 from fedcomp.flower.validation import ReplyError, check_reply
 from fedcomp.influence import (
     DEFAULT_NORM_CAP,
@@ -49,9 +50,6 @@ from fedcomp.keys import (
     KEY_ROUND,
     KEY_STABLE_ID,
     PROTOCOL_VERSION,
-    RECORD_HEADER,
-    RECORD_METRICS,
-    RECORD_PAYLOAD,
 )
 from fedcomp.rules import check_learnable
 
@@ -128,35 +126,32 @@ def test_the_total_weight_must_be_finite_and_positive():
 
 
 def _content(weight, **metrics) -> RecordDict:
-    header = ConfigRecord({KEY_PROTOCOL: PROTOCOL_VERSION, KEY_STABLE_ID: 3, KEY_ROUND: 1})
-    return RecordDict(
-        {
-            RECORD_HEADER: header,
-            RECORD_METRICS: MetricRecord({KEY_NUM_EXAMPLES: weight, **metrics}),
-            RECORD_PAYLOAD: ArrayRecord(),
-        }
+    return reply_content(
+        {KEY_PROTOCOL: PROTOCOL_VERSION, KEY_STABLE_ID: 3, KEY_ROUND: 1},
+        {},
+        MetricRecord({KEY_NUM_EXAMPLES: weight, **metrics}),
     )
 
 
 def test_num_examples_is_checked_at_its_bounds():
     bound = Influence().max_num_examples
-    assert check_reply(_content(bound), 3, 1)[2] == bound
-    assert check_reply(_content(1), 3, 1)[2] == 1.0
+    assert check_reply(_content(bound), 3, 1, []).weight == bound
+    assert check_reply(_content(1), 3, 1, []).weight == 1.0
     for bad in (np.nextafter(bound, math.inf), 0, -1, math.inf, math.nan, 1e308):
         with pytest.raises(ReplyError) as info:
-            check_reply(_content(bad), 3, 1)
+            check_reply(_content(bad), 3, 1, [])
         assert info.value.kind is Failure.BAD_WEIGHT
-    assert check_reply(_content(50.0), 3, 1, max_weight=50.0)[2] == 50.0
+    assert check_reply(_content(50.0), 3, 1, [], max_weight=50.0).weight == 50.0
     with pytest.raises(ReplyError):
-        check_reply(_content(51.0), 3, 1, max_weight=50.0)
+        check_reply(_content(51.0), 3, 1, [], max_weight=50.0)
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, [1.0, 2.0], [0.5]])
 def test_train_metrics_must_be_finite_numbers(value):
     with pytest.raises(ReplyError) as info:
-        check_reply(_content(10, train_loss=value), 3, 1)
+        check_reply(_content(10, train_loss=value), 3, 1, [])
     assert info.value.kind is Failure.BAD_METRICS
-    assert check_reply(_content(10, train_loss=1e30), 3, 1)[2] == 10.0
+    assert check_reply(_content(10, train_loss=1e30), 3, 1, []).weight == 10.0
 
 
 # ------------------------------------------------------------------- one round, in-process

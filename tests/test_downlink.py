@@ -34,9 +34,9 @@ from fedcomp.keys import (
     DOWNLINK_FULL,
     DOWNLINK_STEPS,
     KEY_DOWNLINK,
+    KEY_DOWNLINK_PAYLOADS,
     KEY_DOWNLINK_STEPS,
     KEY_EXPECTED_ID,
-    RECORD_DOWNLINK,
 )
 from fedcomp.settings import settings_from_dict, validate
 from strategies.inner import make_inner_strategy
@@ -318,7 +318,7 @@ def test_replicas_stay_bit_identical_through_faults_and_a_resume(tmp_path) -> No
     for msg in evaluate:
         config = msg.content.config_records["config"]
         if config[KEY_DOWNLINK] == DOWNLINK_STEPS:
-            assert list(msg.content.array_records) == [RECORD_DOWNLINK]
+            assert not msg.content.array_records and KEY_DOWNLINK_PAYLOADS in config
     # A model-free instruction weighs less than a full one, by what its steps save.
     sizes: dict[str, list[int]] = {DOWNLINK_FULL: [], DOWNLINK_STEPS: []}
     for msg, size in zip(grid.sent, grid.sent_bytes, strict=True):
@@ -363,13 +363,11 @@ def test_a_corrupted_step_is_never_trained_on_and_the_client_is_resynced() -> No
                 config is not None
                 and config.get(KEY_EXPECTED_ID) == victim["sid"]
                 and msg.metadata.group_id == str(victim["round"])
-                and RECORD_DOWNLINK in msg.content
+                and KEY_DOWNLINK_PAYLOADS in config
             ):
-                record = msg.content[RECORD_DOWNLINK]
-                name = next(iter(record))
-                data = bytearray(record[name].data)
-                data[-1] ^= 0x01  # one bit flipped in transit
-                record[name].data = bytes(data)
+                data = bytearray(config[KEY_DOWNLINK_PAYLOADS])
+                data[-1] ^= 0x01  # one bit of the last step's last payload flipped in transit
+                config[KEY_DOWNLINK_PAYLOADS] = bytes(data)
         replies = send(messages, timeout=timeout)
         for msg in _rounds(messages):
             if msg.metadata.message_type == MessageType.TRAIN:
@@ -407,7 +405,12 @@ def test_the_default_fp32_downlink_sends_the_inner_strategys_model_unchanged() -
         assert "arrays" in msg.content.array_records
     assert all(RECORD_REPLICA not in c.state for c in grid.contexts.values())
     for r in results["rounds"]:
-        assert r["fp32_total_wire_bytes"] == r["total_wire_bytes"]
+        for kind, counts in r["traffic"].items():
+            if kind != "train_reply":  # the model and everything else travel as they are
+                assert counts["fp32_wire_bytes"] == counts["wire_bytes"], kind
+        # an fp32 reply is one bundle: fewer objects than plain Flower's one per tensor
+        reply = r["traffic"]["train_reply"]
+        assert 0 < reply["wire_bytes"] < reply["fp32_wire_bytes"]
         assert "downlink" not in r and "replica_accuracy" not in r
 
 

@@ -13,8 +13,9 @@ from experiments.inprocess import InProcessGrid, Spy
 from fedcomp.codecs import ErrorFeedback, decode_bytes, make_codec
 from fedcomp.flower.memory_state import MemoryState, load_memory
 from fedcomp.flower.options import ServerOptions
+from fedcomp.flower.reply_format import payloads_of
 from fedcomp.flower.strategy import CompressedStrategy
-from fedcomp.keys import KEY_STABLE_ID, RECORD_HEADER, RECORD_PAYLOAD
+from fedcomp.keys import KEY_STABLE_ID, RECORD_HEADER
 from fedcomp.models import build_model
 from fedcomp.observers import Reporting
 from fedcomp.settings import settings_from_dict
@@ -141,7 +142,7 @@ def test_a_lost_reply_desynchronizes_nothing() -> None:
     ][-1]
     checked = 0
     for name, e3 in lost.pending.items():
-        decoded = decode_bytes(reply.content[RECORD_PAYLOAD][name].data).numpy()
+        decoded = decode_bytes(payloads_of(reply.content[RECORD_HEADER])[name]).numpy()
         x3 = spy.local[LOST_CLIENT][name] - received[name]
         expected = x3 + lost.committed[name]
         assert np.allclose(decoded + e3, expected, atol=1e-6)

@@ -24,7 +24,7 @@ from experiments.deployment.processes import (
     stop_components,
 )
 from experiments.runtime import PROJECT_ROOT
-from fedcomp.keys import RECORD_PAYLOAD
+from fedcomp.keys import KEY_PAYLOADS, RECORD_HEADER
 
 EXAMPLE = PROJECT_ROOT / "examples" / "quickstart_fedcomp"
 
@@ -112,14 +112,17 @@ def test_the_quickstart_example_runs_compressed_under_a_simulation_superlink(
 #: A mod outside fedcomp's that truncates partition 0's first payload after encoding:
 #: the malformed reply then crosses Flower's real transport (gRPC, the SuperLink).
 _TAMPER = """
+from fedcomp.flower.reply_format import payloads_of, replace_payloads
+
 
 def _truncate_partition_0(msg, context, call_next):
     reply = call_next(msg, context)
-    payloads = reply.content.array_records.get("fedcomp.payload")
-    if int(context.node_config["partition-id"]) == 0 and payloads is not None:
-        name = next(iter(payloads.keys()))
-        data = payloads[name].data[:-7]
-        payloads[name] = Array(dtype="uint8", shape=(len(data),), stype="raw", data=data)
+    header = None if reply.has_error() else reply.content.config_records.get("fedcomp.header")
+    if int(context.node_config["partition-id"]) == 0 and header and "fedcomp.payloads" in header:
+        payloads = {n: bytes(p) for n, p in payloads_of(header).items()}
+        name = next(iter(payloads))
+        payloads[name] = payloads[name][:-7]
+        replace_payloads(reply.content, payloads)
     return reply
 
 
@@ -137,8 +140,8 @@ def test_a_truncated_payload_through_a_real_superlink_is_one_clients_failure(
     shutil.copytree(EXAMPLE, app, ignore=shutil.ignore_patterns("__pycache__", "*.pt"))
     client = app / "quickstart_fedcomp" / "client_app.py"
     source = client.read_text()
-    assert RECORD_PAYLOAD == "fedcomp.payload" and "app = ClientApp(" in source
-    source = source.replace("from flwr.app import ", "from flwr.app import Array, ")
+    assert (RECORD_HEADER, KEY_PAYLOADS) == ("fedcomp.header", "fedcomp.payloads")
+    assert "app = ClientApp(" in source
     source = source.replace("app = ClientApp(mods=[CompressionMod()])", _TAMPER.strip())
     client.write_text(source)
     log = _flwr_run(app, tmp_path, rounds=2)

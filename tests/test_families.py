@@ -11,16 +11,17 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from flwr.app import ArrayRecord, ConfigRecord
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 
 import fedcomp.codecs
 from experiments.runtime import PROJECT_ROOT
 from fedcomp.codecs import TensorPolicy, make_codec_from_spec
-from fedcomp.flower.encoding import payload_content
 from fedcomp.flower.families import FAMILIES, family_of
 from fedcomp.flower.families.base import Instruction
 from fedcomp.flower.memory_state import MemoryState
+from fedcomp.flower.reply_format import payloads_of, reply_content
 from fedcomp.flower.round_state import RoundState
+from fedcomp.keys import RECORD_HEADER
 from fedcomp.onebit import OneBitCode
 
 SPECS = {
@@ -101,8 +102,9 @@ def test_each_familys_server_half_decodes_what_its_client_half_encoded(name: str
     encoded = family.encode(
         instruction, deltas, lambda: memory, make_codec_from_spec({"name": "fp32"})
     )
-    payloads = payload_content(encoded.payloads)["fedcomp.payload"]
-    header = ConfigRecord({k: v for k, v in encoded.header.items()})
+    content = reply_content(encoded.header, encoded.payloads, MetricRecord())
+    header = content[RECORD_HEADER]
+    payloads = payloads_of(header, list(deltas))
     state = RoundState(number=instruction.round, t_start=0.0)
     state.global_arrays = {n: np.zeros(tuple(d.shape), np.float32) for n, d in deltas.items()}
     half = family.server(instruction.policy, instruction.run_seed, None)

@@ -23,13 +23,14 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from experiments.fuzzing import FLOATS, mutate
 from experiments.memory import address_space_cap
 from fedcomp import compiled
+from fedcomp.bundle import BundleError, pack_bundle, unpack_bundle
 from fedcomp.codecs import (
     PayloadError,
     TensorPolicy,
@@ -42,14 +43,22 @@ from fedcomp.codecs import (
 from fedcomp.downlink import BroadcastServer, Replica, ReplicaError, checksum, parse_downlink
 from fedcomp.failures import Rejection
 from fedcomp.flower.replica import ReplicaSender, rebuild_model
-from fedcomp.flower.validation import decode_payloads
+from fedcomp.flower.reply_format import reply_content
+from fedcomp.flower.validation import check_reply, decode_payloads
 from fedcomp.keys import (
     KEY_DOWNLINK,
     KEY_DOWNLINK_CHECKSUM,
     KEY_DOWNLINK_CODEC,
+    KEY_DOWNLINK_PAYLOADS,
     KEY_DOWNLINK_STEPS,
     KEY_DOWNLINK_VERSION,
-    RECORD_DOWNLINK,
+    KEY_NUM_EXAMPLES,
+    KEY_PAYLOADS,
+    KEY_PROTOCOL,
+    KEY_ROUND,
+    KEY_STABLE_ID,
+    PROTOCOL_VERSION,
+    RECORD_HEADER,
 )
 from fedcomp.rng import derive_seed
 
@@ -155,11 +164,6 @@ def _decode_or_reject(buf: bytes) -> None:
     assert tuple(out.shape) == header.shape and out.dtype == header.dtype
 
 
-def _raw_array(buf: bytes) -> Array:
-    """A payload as the mod sends it: raw uint8 bytes, no np.save header."""
-    return Array(dtype="uint8", shape=(len(buf),), stype="raw", data=buf)
-
-
 def _server_decode_or_reject(buf: bytes, spec: dict) -> None:
     """What the wrapper runs on a reply: spec check, then decode (policy: compress all)."""
     reference = _input(spec).numpy()
@@ -236,9 +240,34 @@ def test_one_overwritten_field_is_a_spec_mismatch_naming_it(spec, offset, field,
         _server_decode(bytes(buf), spec)
 
 
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(mutation, min_size=1, max_size=3))
+@example(ops=[("u32", 3, 2**32 - 1)])  # the count
+@example(ops=[("u32", 10, 2**32 - 1)])  # the first payload's length
+def test_mutated_reply_bundles_are_checked_or_refused(ops: list) -> None:
+    """EXAMPLES cases (10^4 in `make fuzz`): a train reply whose payload bundle is
+    mutated is refused by the reply checks (a Rejection) or yields the model's one
+    tensor, which then decodes or is refused like any payload."""
+    spec = SPECS[0]
+    with _path(spec):
+        header = {KEY_PROTOCOL: PROTOCOL_VERSION, KEY_STABLE_ID: CLIENT, KEY_ROUND: ROUND}
+        content = reply_content(header, {NAME: _valid(spec)}, MetricRecord({KEY_NUM_EXAMPLES: 1}))
+        blob = content[RECORD_HEADER][KEY_PAYLOADS]
+        for op in ops:
+            blob = mutate(blob, op)
+        content[RECORD_HEADER][KEY_PAYLOADS] = blob
+        try:
+            checked = check_reply(content, CLIENT, ROUND, [NAME])
+        except Rejection:
+            return
+        assert list(checked.payloads) == [NAME]
+        assert 7 + 2 + len(NAME) + 4 + len(checked.payloads[NAME]) == len(blob)
+        _server_decode_or_reject(bytes(checked.payloads[NAME]), spec)
+
+
 def _server_decode(buf: bytes, spec: dict):
     return decode_payloads(
-        ArrayRecord({NAME: _raw_array(buf)}),
+        {NAME: memoryview(buf)},
         {NAME: _input(spec).numpy()},
         codec=_codec(spec),
         policy=TensorPolicy(min_numel=0),
@@ -352,6 +381,8 @@ instruction_mutation = st.one_of(
     st.tuples(st.just("key"), st.integers(0, 100), st.text(max_size=10)),
     st.tuples(st.just("codec"), st.sampled_from(_CLAIMED_SPECS)),
     st.tuples(st.just("mode"), st.text(max_size=6)),
+    # the bundle itself: its table and lengths (fedcomp.bundle)
+    st.tuples(st.just("bundle"), mutation),
 )
 
 
@@ -405,17 +436,24 @@ def _mutate_steps(text: str, op: tuple) -> str:
 
 
 def _mutate_instruction(msg, op: tuple) -> None:
-    config, record = msg.content["config"], msg.content[RECORD_DOWNLINK]
-    keys = list(record)
+    config = msg.content["config"]
+    blob = config.get(KEY_DOWNLINK_PAYLOADS)
+    try:  # an earlier mutation may have left no bundle to edit entry by entry
+        record = {k: bytes(v) for k, v in unpack_bundle(blob, max_entries=1 << 16).items()}
+    except BundleError:
+        record = None
     kind = op[0]
-    if kind in ("payload", "key") and keys:
+    if kind in ("payload", "key") and record:
+        keys = list(record)
         key = keys[op[1] % len(keys)]
-        data = bytes(record[key].data)
-        del record[key]
+        data = record.pop(key)
         if kind == "payload":
-            record[key] = _raw_array(mutate(data, op[2]))
+            record[key] = mutate(data, op[2])
         else:
-            record[op[2]] = _raw_array(data)
+            record[op[2]] = data
+        config[KEY_DOWNLINK_PAYLOADS] = pack_bundle(record)
+    elif kind == "bundle" and isinstance(blob, bytes):
+        config[KEY_DOWNLINK_PAYLOADS] = mutate(blob, op[1])
     elif kind == "version":
         config[KEY_DOWNLINK_VERSION] = op[1]
     elif kind == "checksum":

@@ -20,10 +20,11 @@ import tracemalloc
 import numpy as np
 import pytest
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.common.constant import ErrorCode
 
 from fedcomp import downlink
+from fedcomp.bundle import pack_bundle, unpack_bundle
 from fedcomp.codecs import PayloadError, TensorPolicy, decode_bytes, make_codec
 from fedcomp.codecs.base import MAX_NESTING
 from fedcomp.codecs.wire import Payload, PayloadHeader
@@ -50,6 +51,7 @@ from fedcomp.keys import (
     KEY_CODEC,
     KEY_DOWNLINK,
     KEY_DOWNLINK_CODEC,
+    KEY_DOWNLINK_PAYLOADS,
     KEY_DOWNLINK_STEPS,
     KEY_DOWNLINK_VERSION,
     KEY_PROTOCOL,
@@ -57,7 +59,6 @@ from fedcomp.keys import (
     KEY_RUN_SEED,
     KEY_SETTINGS,
     PROTOCOL_VERSION,
-    RECORD_DOWNLINK,
 )
 
 UNIFORM4 = {"name": "uniform", "bits": 4, "block": 256}
@@ -155,7 +156,7 @@ def test_a_lagging_client_takes_several_steps_bit_identically(spec: dict, decode
     for name, value in server.x_hat.items():
         assert np.array_equal(new.arrays[name], value) and new.arrays[name].dtype == value.dtype
         assert np.array_equal(msg.content["arrays"][name].numpy(), value)
-    assert RECORD_DOWNLINK not in msg.content
+    assert KEY_DOWNLINK_PAYLOADS not in _config(msg)  # the app sees the model only
     assert sorted(decodes) == sorted(list(server.x_hat) * 5)
     assert peak < 8 * dense  # replica, its successor, a decoded tensor, the rebuilt record
 
@@ -175,20 +176,14 @@ def test_the_server_sends_the_model_rather_than_more_than_max_steps() -> None:
 # ----------------------------------------------------------------------- many tiny steps
 
 
-def _tiny_steps(server: BroadcastServer, count: int) -> tuple[str, ArrayRecord]:
+def _tiny_steps(server: BroadcastServer, count: int) -> tuple[str, bytes]:
     """``count`` steps of a few bytes per tensor (the raw ``count`` tensor's payload
-    for every tensor): the finding's 0.38 MB of 4,000 steps."""
+    for every tensor): the finding's 0.38 MB of 4,000 steps, as one bundle."""
     tiny = server.history[0].payloads["count"]
     steps = json.dumps([[i, i + 1, "0" * 16, {}] for i in range(count)])
     names = list(server.x_hat)
-    record = ArrayRecord(
-        {
-            f"{i + 1}/{name}": Array(dtype="uint8", shape=(len(tiny),), stype="raw", data=tiny)
-            for i in range(count)
-            for name in names
-        }
-    )
-    return steps, record
+    bundle = pack_bundle({f"{i + 1}/{name}": tiny for i in range(count) for name in names})
+    return steps, bundle
 
 
 @pytest.mark.parametrize("listed", [4000, MAX_STEPS], ids=["4000_listed", "16_listed"])
@@ -203,13 +198,13 @@ def test_4000_tiny_steps_are_refused_before_anything_is_decoded(listed: int, dec
         steps = json.dumps(json.loads(steps)[:MAX_STEPS])
         _config(msg)[KEY_DOWNLINK_VERSION] = MAX_STEPS
     _config(msg)[KEY_DOWNLINK_STEPS] = steps
-    msg.content[RECORD_DOWNLINK] = record
-    assert 0.1e6 < sum(len(a.data) for a in record.values()) < 0.5e6
+    _config(msg)[KEY_DOWNLINK_PAYLOADS] = record
+    assert 0.1e6 < len(record) < 0.5e6
     dense = sum(a.nbytes for a in server.x_hat.values())
     decodes.clear()
     peak, seconds, error = _peak(lambda: rebuild_model(msg, replica))
     assert isinstance(error, ReplicaError), error
-    needle = "4000 steps|more than 16 steps" if listed == 4000 else "holds 12000 payloads"
+    needle = "4000 steps|more than 16 steps" if listed == 4000 else "claims 12000 payloads"
     assert re.search(needle, str(error)), str(error)
     assert decodes == []
     assert peak < dense, (peak, dense)
@@ -249,8 +244,8 @@ def test_versions_that_do_not_increase_and_chain_are_refused(versions, needle, d
     steps = json.loads(_config(msg)[KEY_DOWNLINK_STEPS])
     for step, (source, target) in zip(steps, versions, strict=True):
         step[0], step[1] = source, target
-    record = msg.content[RECORD_DOWNLINK]
-    msg.content[RECORD_DOWNLINK] = ArrayRecord(  # the payloads follow their new targets
+    record = unpack_bundle(_config(msg)[KEY_DOWNLINK_PAYLOADS], max_entries=64)
+    _config(msg)[KEY_DOWNLINK_PAYLOADS] = pack_bundle(  # the payloads follow their new targets
         {f"{t}/{k.partition('/')[2]}": v for k, v in record.items() for t in [_retarget(k, steps)]}
     )
     _config(msg)[KEY_DOWNLINK_STEPS] = json.dumps(steps)
@@ -347,8 +342,9 @@ def test_a_payload_nested_beyond_the_spec_is_refused_before_decoding(
     wrong = _nested(levels, 512)
     if levels == 4:  # rotate(entropy(rotate(uniform))) under the spec's entropy stage
         wrong = _stage("entropy", wrong, 512)
-    record = msg.content[RECORD_DOWNLINK]
-    record["2/w"] = Array(dtype="uint8", shape=(len(wrong),), stype="raw", data=wrong)
+    record = dict(unpack_bundle(_config(msg)[KEY_DOWNLINK_PAYLOADS], max_entries=64))
+    record["2/w"] = wrong
+    _config(msg)[KEY_DOWNLINK_PAYLOADS] = pack_bundle(record)
     decodes.clear()
     with pytest.raises(ReplicaError, match=f"w: .*{needle}"):
         rebuild_model(msg, replica)
@@ -412,7 +408,7 @@ def test_the_mod_answers_with_an_error_and_leaves_its_state_untouched(
     if hostile == "4000_steps":
         steps, record = _tiny_steps(server, 4000)
         _config(msg)[KEY_DOWNLINK_STEPS] = steps
-        msg.content[RECORD_DOWNLINK] = record
+        _config(msg)[KEY_DOWNLINK_PAYLOADS] = record
     elif hostile.startswith("deep_json"):  # json.loads raises RecursionError on these
         key = KEY_DOWNLINK_STEPS if hostile.endswith("steps") else KEY_DOWNLINK_CODEC
         _config(msg)[key] = "[" * 1500 + "]" * 1500

@@ -8,21 +8,23 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from flwr.app import Array, ArrayRecord, Message, RecordDict
+from flwr.app import Message
 
 from clients.client_app import make_client_app
 from experiments.inprocess import InProcessGrid, Spy, initial_arrays
 from fedcomp.codecs import TensorPolicy
 from fedcomp.flower.families.joint import joint_names
 from fedcomp.flower.options import IdentityOptions, ServerOptions
+from fedcomp.flower.reply_format import payloads_of, replace_payloads
 from fedcomp.flower.strategy import CompressedStrategy
 from fedcomp.handoff_options import Aggregation
 from fedcomp.keys import (
     KEY_JOINT_CLIENTS,
     KEY_JOINT_INDEX,
     KEY_JOINT_TAU,
+    KEY_PAYLOADS,
     METRIC_OUT_OF_RANGE,
-    RECORD_PAYLOAD,
+    RECORD_HEADER,
 )
 from fedcomp.onebit import OneBitCode
 from fedcomp.onebit.federated import joint_seed, unpack_taus
@@ -32,6 +34,11 @@ from strategies.server_app import client_task
 
 N = 6
 SPEC = {"name": "onebit", "bits": 2, "center": "previous", "tau_prior": 0.003, "block": 512}
+
+
+def _is_train_reply(reply: Message) -> bool:
+    header = reply.content.config_records.get(RECORD_HEADER) if not reply.has_error() else None
+    return header is not None and KEY_PAYLOADS in header
 
 
 def _run(num_rounds=1, tamper=None, spec=SPEC):
@@ -74,17 +81,13 @@ def _library_mean(settings, initial, captured, keep):
     code = OneBitCode(**{k: v for k, v in SPEC.items() if k != "name"})
     arrays = {k: np.asarray(v.numpy()) for k, v in initial.items()}
     names = joint_names(code, TensorPolicy(), arrays)
-    train = [
-        (pid, r, m)
-        for pid, r, m in captured
-        if pid in keep and RECORD_PAYLOAD in r.content.array_records
-    ]
+    train = [(pid, r, m) for pid, r, m in captured if pid in keep and _is_train_reply(r)]
     first_config = train[0][2].content.config_records["config"]
     blocks = [code.num_blocks(arrays[n].size) for n in names]
     taus = dict(zip(names, unpack_taus(first_config[KEY_JOINT_TAU], blocks), strict=True))
     out = {}
     for name in names:
-        payloads = [bytes(r.content[RECORD_PAYLOAD][name].data) for _, r, _ in train]
+        payloads = [bytes(payloads_of(r.content[RECORD_HEADER])[name]) for _, r, _ in train]
         indices = [int(m.content.config_records["config"][KEY_JOINT_INDEX]) for _, _, m in train]
         n = int(first_config[KEY_JOINT_CLIENTS])
         out[name] = code.decode_mean(
@@ -125,7 +128,7 @@ def test_wrapper_joint_path_equals_the_library_decoder():
     weights = np.array([spy.weight[i] for i in range(N)])
     code = OneBitCode(**{k: v for k, v in SPEC.items() if k != "name"})
     first_config = next(
-        m.content.config_records["config"] for _, r, m in captured if RECORD_PAYLOAD in r.content
+        m.content.config_records["config"] for _, r, m in captured if _is_train_reply(r)
     )
     blocks = [code.num_blocks(arrays[n].size) for n in names]
     taus = dict(zip(names, unpack_taus(first_config[KEY_JOINT_TAU], blocks), strict=True))
@@ -166,21 +169,18 @@ def test_wrapper_joint_path_equals_the_library_decoder():
 
 def test_missing_and_corrupt_replies_use_the_ratio_estimator():
     def tamper(pid, reply, instruction):
-        if RECORD_PAYLOAD not in reply.content.array_records:
+        if not _is_train_reply(reply):
             return reply
         if pid == 1:
             return None  # dropped
         if pid == 4:  # one flipped bit in the first one-bit payload's header seed
-            content = reply.content
-            payloads = content[RECORD_PAYLOAD]
-            name = next(n for n in payloads.keys() if len(payloads[n].data) > 600)
-            data = bytearray(payloads[name].data)
+            payloads = {n: bytes(p) for n, p in payloads_of(reply.content[RECORD_HEADER]).items()}
+            name = next(n for n in payloads if len(payloads[n]) > 600)
+            data = bytearray(payloads[name])
             data[9] ^= 0x10
-            arrays = {n: payloads[n] for n in payloads.keys()}
-            arrays[name] = Array(dtype="uint8", shape=(len(data),), stype="raw", data=bytes(data))
-            new = RecordDict({k: v for k, v in content.items() if k != RECORD_PAYLOAD})
-            new[RECORD_PAYLOAD] = ArrayRecord(arrays)
-            return Message(new, reply_to=instruction)
+            payloads[name] = bytes(data)
+            replace_payloads(reply.content, payloads)
+            return Message(reply.content, reply_to=instruction)
         return reply
 
     settings, strategy, initial, result, captured, _ = _run(tamper=tamper)

@@ -11,11 +11,12 @@ import struct
 import numpy as np
 import pytest
 from flwr.app import (
-    Array,
+    ArrayRecord,
     ConfigRecord,
     Error,
     Message,
     MessageType,
+    MetricRecord,
     RecordDict,
 )
 from flwr.common.constant import ErrorCode
@@ -28,6 +29,7 @@ from fedcomp.codecs import decode_bytes, make_codec
 from fedcomp.codecs.wire import HEADER_FIXED_BYTES
 from fedcomp.flower.mod import CompressionMod
 from fedcomp.flower.options import IdentityOptions, ServerOptions
+from fedcomp.flower.reply_format import payloads_of, replace_payloads
 from fedcomp.flower.strategy import CompressedStrategy
 from fedcomp.handoff_options import Aggregation
 from fedcomp.keys import (
@@ -35,7 +37,6 @@ from fedcomp.keys import (
     KEY_STABLE_ID,
     METRIC_CODEC_BYTES,
     RECORD_HEADER,
-    RECORD_PAYLOAD,
 )
 from fedcomp.models import build_model
 from fedcomp.settings import Settings, settings_from_dict
@@ -131,23 +132,33 @@ def test_recorded_bytes_equal_the_real_messages() -> None:
     )
     for reply in _train_only(grid.replies):
         sid = int(reply.content[RECORD_HEADER][KEY_STABLE_ID])
-        payloads = reply.content[RECORD_PAYLOAD]
-        codec_bytes = sum(len(a.data) for a in payloads.values())
+        payloads = payloads_of(reply.content[RECORD_HEADER])
+        codec_bytes = sum(len(p) for p in payloads.values())
         assert rows[sid]["uplink_codec_bytes"] == codec_bytes == fp32_packed
         assert reply.content["metrics"][METRIC_CODEC_BYTES] == codec_bytes
         assert rows[sid]["uplink_record_bytes"] == sum(
             r.count_bytes() for r in reply.content.values()
         )
-        wire = sum(len(o.deflate()) for o in get_all_nested_objects(reply).values())
+        wire = _wire(reply)
         assert rows[sid]["uplink_wire_bytes"] == wire > codec_bytes
+        # The compact reply: its Message, RecordDict, header and metrics, nothing else.
+        assert len(get_all_nested_objects(reply)) == 4
+        # The fp32 reference is the app's own reply as plain Flower sends it: the
+        # trained model (same shapes as the initial one, so the same object sizes) and
+        # the app's metrics, in this reply's Message.
+        user = {k: v for k, v in reply.content["metrics"].items() if not k.startswith("fedcomp.")}
+        plain = RecordDict(
+            {"arrays": ArrayRecord(model.state_dict()), "metrics": MetricRecord(user)}
+        )
+        expected = wire - _wire(reply.content) + _wire(plain)
+        assert rows[sid]["fp32_wire_bytes"] == expected > wire
     for msg in _train_only(grid.sent):
         sid = next(
             s
             for s, n in ((s, strategy.clients.ids.node_of(s)) for s in rows)
             if n == msg.metadata.dst_node_id
         )
-        wire = sum(len(o.deflate()) for o in get_all_nested_objects(msg).values())
-        assert rows[sid]["downlink_wire_bytes"] == wire
+        assert rows[sid]["downlink_wire_bytes"] == _wire(msg)
     assert record["uplink_wire_bytes"] == sum(r["uplink_wire_bytes"] for r in rows.values())
     assert record["codec"]["fp32_codec_bytes"] == N * fp32_packed
 
@@ -157,19 +168,26 @@ def test_recorded_bytes_equal_the_real_messages() -> None:
 BAD = 1  # the partition whose reply is tampered with
 
 
+def _wire(obj) -> int:
+    """Flower's deflated objects of a message or content, counted here independently."""
+    return sum(len(o.deflate()) for o in get_all_nested_objects(obj).values())
+
+
+def _payloads(reply: Message) -> dict[str, bytes]:
+    return {n: bytes(p) for n, p in payloads_of(reply.content[RECORD_HEADER]).items()}
+
+
 def _set_payload(reply: Message, name: str, data: bytes) -> Message:
-    reply.content[RECORD_PAYLOAD][name] = Array(
-        dtype="uint8", shape=(len(data),), stype="raw", data=data
-    )
+    replace_payloads(reply.content, {**_payloads(reply), name: data})
     return reply
 
 
 def _payload(reply: Message, name: str) -> bytes:
-    return reply.content[RECORD_PAYLOAD][name].data
+    return _payloads(reply)[name]
 
 
 def _first_name(reply: Message) -> str:
-    return next(iter(reply.content[RECORD_PAYLOAD].keys()))
+    return next(iter(_payloads(reply)))
 
 
 def _patched(buf: bytes, offset: int, fmt: str, value: int) -> bytes:
@@ -403,9 +421,9 @@ def test_every_codec_through_the_mod_and_the_wrapper(spec: dict) -> None:
         for reply in replies:
             sid = int(reply.content[RECORD_HEADER][KEY_STABLE_ID])
             num = den = 0.0
-            for name, array in reply.content[RECORD_PAYLOAD].items():
+            for name, data in _payloads(reply).items():
                 x = (spy.local[sid][name] - initial0[name]).astype(np.float64)
-                y = decode_bytes(array.data).numpy().astype(np.float64)
+                y = decode_bytes(data).numpy().astype(np.float64)
                 num += float(((y - x) ** 2).sum())
                 den += float((x**2).sum())
             row = next(r for r in record["per_client"] if r["client"] == sid)
@@ -415,12 +433,12 @@ def test_every_codec_through_the_mod_and_the_wrapper(spec: dict) -> None:
     initial = {k: np.asarray(v.numpy()) for k, v in _initial(settings).items()}
     for reply in replies:
         sid = int(reply.content[RECORD_HEADER][KEY_STABLE_ID])
-        payloads = reply.content[RECORD_PAYLOAD]
-        assert rows[sid]["uplink_codec_bytes"] == sum(len(a.data) for a in payloads.values())
+        payloads = _payloads(reply)
+        assert rows[sid]["uplink_codec_bytes"] == sum(len(p) for p in payloads.values())
         # Policy: tensors below 256 elements travel raw (codec id 0), the rest compressed.
-        for name, array in payloads.items():
+        for name, data in payloads.items():
             raw = initial[name].size < 256
-            assert (array.data[3] == 0) == raw, name
+            assert (data[3] == 0) == raw, name
     expected_names = {"1.weight": spec["name"] if spec["name"] != "ef" else spec["inner"]}
     assert record["codec"]["per_tensor"]["1.weight"] == expected_names["1.weight"]
     # Compression that is not the identity must move the model, and stay finite.
@@ -432,7 +450,7 @@ def test_every_codec_through_the_mod_and_the_wrapper(spec: dict) -> None:
         HEADER_FIXED_BYTES + 4 * a.ndim + (4 if a.dtype.kind == "f" else a.itemsize) * a.size
         for a in initial.values()
     )
-    sent = sum(sum(len(a.data) for a in r.content[RECORD_PAYLOAD].values()) for r in replies)
+    sent = sum(sum(len(p) for p in _payloads(r).values()) for r in replies)
     assert record["codec"]["fp32_codec_bytes"] == fp32_one * len(replies)
     assert record["codec"]["decoded_codec_bytes"] == sent < fp32_one * len(replies)
 
@@ -462,9 +480,8 @@ def test_flower_client_side_dp_stacks_in_per_client_mode() -> None:
     strategy.start(grid, _initial(settings), num_rounds=1)
     assert strategy.rounds[0]["replied"] == N
     for reply in _train_only(grid.replies):
-        payloads = reply.content[RECORD_PAYLOAD]
         norm = math.sqrt(
-            sum(float((decode_bytes(a.data).double() ** 2).sum()) for a in payloads.values())
+            sum(float((decode_bytes(p).double() ** 2).sum()) for p in _payloads(reply).values())
         )
         assert norm <= clipping * (1 + 1e-5)  # fp32 keeps the clipping bound
 

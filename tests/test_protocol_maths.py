@@ -28,6 +28,7 @@ from fedcomp.downlink import BroadcastServer, parse_downlink
 from fedcomp.flower.families.joint import joint_names
 from fedcomp.flower.memory_state import load_memory
 from fedcomp.flower.options import IdentityOptions, ServerOptions
+from fedcomp.flower.reply_format import payloads_of
 from fedcomp.flower.strategy import CompressedStrategy
 from fedcomp.handoff_options import Aggregation
 from fedcomp.keys import (
@@ -39,7 +40,6 @@ from fedcomp.keys import (
     KEY_RESYNC,
     KEY_STABLE_ID,
     RECORD_HEADER,
-    RECORD_PAYLOAD,
 )
 from fedcomp.onebit import OneBitCode
 from fedcomp.onebit.federated import joint_seed, unpack_taus
@@ -185,7 +185,7 @@ def test_residual_reconstruction_mean_and_mirror_update_follow_their_definitions
         for reply in seen.replies[t]:
             sid, weights[sid] = _sid_weight(reply)
             header = reply.content.config_records[RECORD_HEADER]
-            payloads = reply.content.array_records[RECORD_PAYLOAD]
+            payloads = payloads_of(header)
             # Round 1: no state anywhere, a restart from h = 0 (bootstrap "zero"); then
             # a normal reply against the mirror of the version the header states.
             if t == 0:
@@ -195,7 +195,7 @@ def test_residual_reconstruction_mean_and_mirror_update_follow_their_definitions
                 assert int(header[KEY_CV_VERSION]) == before[sid][0] == t
             ghats[sid], moved = {}, {}
             for name, g in glob.items():
-                buf = bytes(payloads[name].data)
+                buf = bytes(payloads[name])
                 r_hat = decode_bytes(buf).numpy()
                 if parse_payload(buf).header.codec_id != uniform_id:  # raw: the update
                     ghats[sid][name] = r_hat
@@ -303,7 +303,7 @@ def test_onebit_later_rounds_decode_around_the_previous_aggregate_and_tau_follow
         (handed,) = seen.inner_in[t]  # one pre-aggregated reply
         for name in names:
             payloads = [
-                bytes(r.content.array_records[RECORD_PAYLOAD][name].data)
+                bytes(payloads_of(r.content[RECORD_HEADER])[name])
                 for r in sorted(seen.replies[t], key=lambda r: _sid_weight(r)[0])
             ]
             common = {

@@ -16,8 +16,9 @@ import math
 import numpy as np
 import pytest
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, MetricRecord, RecordDict
 
+from fedcomp.bundle import pack_bundle
 from fedcomp.codecs import TensorPolicy, make_codec
 from fedcomp.codecs.dense import RawCodec
 from fedcomp.codecs.wire import PayloadError, SpecMismatch
@@ -34,26 +35,35 @@ from fedcomp.flower.validation import (
 )
 from fedcomp.keys import (
     KEY_NUM_EXAMPLES,
+    KEY_PAYLOADS,
     KEY_PROTOCOL,
     KEY_ROUND,
     KEY_STABLE_ID,
     PROTOCOL_VERSION,
     RECORD_HEADER,
     RECORD_METRICS,
-    RECORD_PAYLOAD,
 )
 from fedcomp.rng import derive_seed
 
 SID, ROUND, RUN_SEED = 7, 3, 11
+#: The model's tensors in the replies built here, and their payloads.
+PAYLOADS = {"w": b"\x01\x02\x03", "b": b"\x04"}
+NAMES = list(PAYLOADS)
 
 
 def _reply(weight: object = 10.0, drop: str = "", **header: object) -> RecordDict:
     """A train reply of client SID for round ROUND, with one field changed or dropped."""
-    fields = {KEY_PROTOCOL: PROTOCOL_VERSION, KEY_STABLE_ID: SID, KEY_ROUND: ROUND, **header}
+    fields = {
+        KEY_PROTOCOL: PROTOCOL_VERSION,
+        KEY_STABLE_ID: SID,
+        KEY_ROUND: ROUND,
+        KEY_PAYLOADS: pack_bundle(PAYLOADS),
+        **header,
+    }
+    fields = {k: v for k, v in fields.items() if k != drop}
     records = {
         RECORD_HEADER: ConfigRecord(fields),
         RECORD_METRICS: MetricRecord({KEY_NUM_EXAMPLES: weight, "loss": 0.5}),
-        RECORD_PAYLOAD: ArrayRecord(),
     }
     return RecordDict({k: v for k, v in records.items() if k != drop})
 
@@ -70,11 +80,22 @@ def _refused(kind: Failure, fn, *args, **kwargs) -> str:
 
 def test_a_well_formed_reply_returns_its_records_and_its_weight_as_a_float() -> None:
     content = _reply(weight=12)
-    header, metrics, weight, payloads = check_reply(content, SID, ROUND)
-    assert header is content.config_records[RECORD_HEADER]
-    assert metrics is content.metric_records[RECORD_METRICS]
-    assert payloads is content.array_records[RECORD_PAYLOAD]
-    assert weight == 12.0 and isinstance(weight, float)
+    checked = check_reply(content, SID, ROUND, NAMES)
+    assert checked.header is content.config_records[RECORD_HEADER]
+    assert checked.metrics is content.metric_records[RECORD_METRICS]
+    assert {n: bytes(p) for n, p in checked.payloads.items()} == PAYLOADS
+    assert list(checked.payloads) == NAMES
+    assert checked.weight == 12.0 and isinstance(checked.weight, float)
+
+
+@pytest.mark.parametrize(
+    "names",
+    [["w"], ["b", "w"], ["w", "b", "c"], ["w", "x"]],
+    ids=["fewer", "order", "more", "other"],
+)
+def test_a_bundle_other_than_the_models_tensors_in_order_is_a_bad_layout(names) -> None:
+    message = _refused(Failure.BAD_LAYOUT, check_reply, _reply(), SID, ROUND, names)
+    assert "payloads:" in message
 
 
 @pytest.mark.parametrize(
@@ -86,28 +107,29 @@ def test_a_well_formed_reply_returns_its_records_and_its_weight_as_a_float() -> 
         (_reply(**{KEY_STABLE_ID: 99}), Failure.WRONG_CLIENT, f"id 99, node is {SID}"),
         (_reply(**{KEY_ROUND: 99}), Failure.WRONG_ROUND, f"round 99, not {ROUND}"),
         (_reply(drop=RECORD_METRICS), Failure.BAD_WEIGHT, KEY_NUM_EXAMPLES),
-        (_reply(drop=RECORD_PAYLOAD), Failure.BAD_LAYOUT, RECORD_PAYLOAD),
+        (_reply(drop=KEY_PAYLOADS), Failure.BAD_LAYOUT, "NoneType, not bytes"),
+        (_reply(**{KEY_PAYLOADS: b"FB"}), Failure.BAD_LAYOUT, "truncated bundle"),
     ],
-    ids=["no_header", "protocol", "client", "round", "no_metrics", "no_payload"],
+    ids=["no_header", "protocol", "client", "round", "no_metrics", "no_payload", "short"],
 )
 def test_each_header_and_record_check_refuses_with_its_kind(content, kind, needle) -> None:
-    assert needle in _refused(kind, check_reply, content, SID, ROUND)
+    assert needle in _refused(kind, check_reply, content, SID, ROUND, NAMES)
 
 
 def test_metrics_without_the_example_count_are_a_bad_weight() -> None:
     content = _reply()
     content[RECORD_METRICS] = MetricRecord({"loss": 0.5})
-    _refused(Failure.BAD_WEIGHT, check_reply, content, SID, ROUND)
+    _refused(Failure.BAD_WEIGHT, check_reply, content, SID, ROUND, NAMES)
 
 
 def test_the_weight_bound_accepts_its_ends_and_refuses_one_step_past() -> None:
     cap = 50.0
     tiny = math.ulp(0.0)  # the smallest positive float: inside (0, cap]
-    assert check_reply(_reply(weight=cap), SID, ROUND, max_weight=cap)[2] == cap
-    assert check_reply(_reply(weight=tiny), SID, ROUND, max_weight=cap)[2] == tiny
+    assert check_reply(_reply(weight=cap), SID, ROUND, NAMES, max_weight=cap).weight == cap
+    assert check_reply(_reply(weight=tiny), SID, ROUND, NAMES, max_weight=cap).weight == tiny
     past = float(np.nextafter(cap, math.inf))
     for bad in (past, 0.0, -tiny, math.inf, -math.inf, math.nan, [1.0, 2.0]):
-        message = _refused(Failure.BAD_WEIGHT, check_reply, _reply(weight=bad), SID, ROUND,
+        message = _refused(Failure.BAD_WEIGHT, check_reply, _reply(weight=bad), SID, ROUND, NAMES,
                            max_weight=cap)  # fmt: skip
         assert "(0, 50]" in message
 
@@ -119,7 +141,7 @@ def test_a_train_metric_must_be_one_finite_number(bad) -> None:
     assert f"b={bad!r}" in message
     content = _reply()
     content[RECORD_METRICS] = MetricRecord({KEY_NUM_EXAMPLES: 4.0, "b": bad})
-    _refused(Failure.BAD_METRICS, check_reply, content, SID, ROUND)
+    _refused(Failure.BAD_METRICS, check_reply, content, SID, ROUND, NAMES)
 
 
 # ----------------------------------------------------------------------- evaluate
@@ -201,13 +223,8 @@ def test_compressed_names_are_those_not_sent_raw() -> None:
 # ----------------------------------------------------------------------- decode_payloads
 
 
-def _array(payload) -> Array:
-    data = bytes(payload)
-    return Array(dtype="uint8", shape=(len(data),), stype="raw", data=data)
-
-
 def _decode(payloads: dict, global_arrays: dict, codec=None, policy=None):
-    record = ArrayRecord({k: _array(v) for k, v in payloads.items()})
+    record = {k: memoryview(bytes(v)) for k, v in payloads.items()}
     return decode_payloads(
         record, global_arrays, codec=codec, policy=policy, run_seed=RUN_SEED,
         server_round=ROUND, stable_id=SID,

@@ -21,10 +21,7 @@ from fedcomp.failures import Failure
 from fedcomp.flower.families.base import DecodedUpdate, ServerHalf
 from fedcomp.flower.rejection import reject
 from fedcomp.flower.round_state import Decoded, Presum, RoundState
-from fedcomp.flower.validation import (
-    ReplyError,
-    check_reply,
-)
+from fedcomp.flower.validation import CheckedReply, ReplyError, check_reply
 from fedcomp.influence import MAX_NUM_EXAMPLES, update_norm
 
 log = logging.getLogger("fedcomp.flower.strategy")  # one logger for the wrapper's lines
@@ -67,26 +64,38 @@ class ReplyDecoder:
 
     # ------------------------------------------------------------------ per reply
 
-    def decode_reply(self, msg: Message, state: RoundState) -> Decoded:
-        """Validate and decode one reply (raises a Rejection naming the failure)."""
+    def check(self, msg: Message, state: RoundState, repeats: Counter) -> CheckedReply:
+        """Validate one reply, once (raises a Rejection naming the failure)."""
         node_id = msg.metadata.src_node_id
         sid = self.stable_of(node_id)
+        if sid is not None and repeats[sid] > 1:
+            raise ReplyError(
+                f"{repeats[sid]} replies from this client in one round; all dropped",
+                Failure.DUPLICATE,
+            )
         if sid is None or sid not in state.sent:
             raise ReplyError(
                 f"reply from node {node_id}, which was not asked this round", Failure.NOT_ASKED
             )
-        header, metrics, weight, payloads = check_reply(
-            msg.content, sid, state.number, max_weight=self.max_weight
+        return check_reply(
+            msg.content, sid, state.number, list(state.global_arrays), max_weight=self.max_weight
         )
-        update = self.half.decode(payloads, header, sid, state)
+
+    def decode_reply(self, msg: Message, checked: CheckedReply, state: RoundState) -> Decoded:
+        """Decode one validated reply (raises a Rejection naming the failure)."""
+        sid = self.stable_of(msg.metadata.src_node_id)
+        assert sid is not None  # check() refused unknown senders
+        update = self.half.decode(checked.payloads, checked.header, sid, state)
         for name, codec in update.codecs.items():  # the first reply that says so
             state.tensor_codecs.setdefault(name, codec)
         return Decoded(
             sid,
             update.deltas,
-            weight,
-            metrics,
+            checked.weight,
+            checked.metrics,
             msg,
+            header=checked.header,
+            payloads=checked.payloads,
             joint=update.joint,
             pending=update.pending,
             sync=update.sync,
@@ -97,58 +106,51 @@ class ReplyDecoder:
     def decode_all(self, replies: list[Message], state: RoundState) -> list[Decoded]:
         """Validate and decode every reply; a failure of any kind is that client's only.
 
-        Every exception a check or a decoder raises is counted under its failure kind
-        (an unexpected one as a bug, with its traceback) and the reply is dropped. A
-        client that replied more than once has all its replies dropped: keeping one
-        would depend on the order of arrival. Sorted by stable id.
+        Every reply is validated once, before any is decoded. Every exception a check
+        or a decoder raises is counted under its failure kind (an unexpected one as a
+        bug, with its traceback) and the reply is dropped. A client that replied more
+        than once has all its replies dropped: keeping one would depend on the order of
+        arrival. Sorted by stable id.
         """
         repeats = Counter(self.stable_of(m.metadata.src_node_id) for m in replies)
-        decoded: list[Decoded] = []
         if self.presum:  # sum in stable-id order as the replies are decoded
             replies = sorted(replies, key=self._id_order)
-            state.presum = Presum(RunningMean(self._claimed_total(replies, state, repeats)))
+        checks: list[tuple[Message, CheckedReply | Exception]] = []
         for msg in replies:
             if msg.has_error():  # counted as a fault by the uplink (fedcomp.flower.uplink)
                 continue
-            sid = self.stable_of(msg.metadata.src_node_id)
             try:
-                if sid is not None and repeats[sid] > 1:
-                    raise ReplyError(
-                        f"{repeats[sid]} replies from this client in one round; all dropped",
-                        Failure.DUPLICATE,
-                    )
-                item = self.decode_reply(msg, state)
-                if state.presum is not None:
-                    state.presum.add(item.stable_id, item.deltas, item.weight)
-                if self.stream:
-                    self._release(item, state)
-                decoded.append(item)
+                checks.append((msg, self.check(msg, state, repeats)))
             except Exception as exc:  # every failure is this client's only (docstring)
-                reject(state, sid, exc)
+                checks.append((msg, exc))
+        if self.presum:  # the total the checked replies claim, before any is decoded
+            weights = [c.weight for _, c in checks if isinstance(c, CheckedReply)]
+            state.presum = Presum(RunningMean(float(sum(weights)) if weights else 1.0))
+        decoded = [d for msg, checked in checks if (d := self._decode(msg, checked, state))]
         decoded.sort(key=lambda d: d.stable_id)  # reply order never matters
         return decoded
+
+    def _decode(
+        self, msg: Message, checked: CheckedReply | Exception, state: RoundState
+    ) -> Decoded | None:
+        """One checked reply decoded (None: it failed, counted as its sender's)."""
+        try:
+            if isinstance(checked, Exception):
+                raise checked
+            item = self.decode_reply(msg, checked, state)
+            if state.presum is not None:
+                state.presum.add(item.stable_id, item.deltas, item.weight)
+            if self.stream:
+                self._release(item, state)
+            return item
+        except Exception as exc:  # every failure is this client's only (decode_all)
+            reject(state, self.stable_of(msg.metadata.src_node_id), exc)
+            return None
 
     def _id_order(self, msg: Message) -> tuple[bool, int]:
         """Replies by stable id, unknown senders last."""
         sid = self.stable_of(msg.metadata.src_node_id)
         return (sid is None, sid or 0)
-
-    def _claimed_total(self, replies: list[Message], state: RoundState, repeats: Counter) -> float:
-        """The total weight the replies claim, before any payload is decoded: the sum,
-        in stable-id order, over those whose header checks pass (what the plain mean's
-        total is if every one of them is then accepted unchanged)."""
-        weights = []
-        for msg in replies:
-            sid = self.stable_of(msg.metadata.src_node_id)
-            if msg.has_error() or sid is None or sid not in state.sent or repeats[sid] > 1:
-                continue
-            try:
-                weights.append(
-                    check_reply(msg.content, sid, state.number, max_weight=self.max_weight)[2]
-                )
-            except Exception:
-                continue
-        return float(sum(weights)) if weights else 1.0
 
     def _release(self, item: Decoded, state: RoundState) -> None:
         """Keep the update's norm, drop the dense update (and a residual reply's
@@ -156,15 +158,12 @@ class ReplyDecoder:
         item.norm = update_norm(item.deltas)
         item.deltas = {}
         item.deferred, item.pending = item.pending is not None, None
-        item.reload = lambda: self._redecode(item.message, item.stable_id, state).deltas
+        item.reload = lambda: self._redecode(item, state).deltas
 
-    def _redecode(self, msg: Message, sid: int, state: RoundState) -> DecodedUpdate:
-        """The same checks and decoders as the first time, on the same bytes, against
-        the same mirrors (none is committed before the round's mean is taken)."""
-        header, _, _, payloads = check_reply(
-            msg.content, sid, state.number, max_weight=self.max_weight
-        )
-        return self.half.decode(payloads, header, sid, state)
+    def _redecode(self, item: Decoded, state: RoundState) -> DecodedUpdate:
+        """The same decoders as the first time, on the same checked bytes, against the
+        same mirrors (none is committed before the round's mean is taken)."""
+        return self.half.decode(item.payloads, item.header, item.stable_id, state)
 
     def commit_deferred(self, decoded: list[Decoded], state: RoundState) -> None:
         """Move the mirrors of the accepted residual replies that were released: after
@@ -172,7 +171,7 @@ class ReplyDecoder:
         reply is decoded once more for it, so no round holds a mirror per client."""
         for item in decoded:
             if item.deferred:
-                pending = self._redecode(item.message, item.stable_id, state).pending
+                pending = self._redecode(item, state).pending
                 assert pending is not None
                 self.half.commit(pending)
                 item.deferred = False

@@ -3,8 +3,8 @@
 The mod (fedcomp.flower.mod) reads the instruction and adapts records and
 Context.state; this is what it calls between the two: the update (trained minus
 received model), its encoding by the codec family's client half
-(fedcomp.flower.families), the payload record, and the reply's measurements (codec
-bytes, relative error, fp32 reference bytes).
+(fedcomp.flower.families), and the reply's measurements (codec bytes, relative error,
+fp32 reference bytes). fedcomp.flower.reply_format lays the reply out.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 
 from fedcomp.codecs import Codec, decode_bytes
 from fedcomp.codecs.policy import encode_all
@@ -29,7 +29,6 @@ from fedcomp.keys import (
     METRIC_FP32_CONTENT_WIRE_BYTES,
     METRIC_REL_ERROR,
     METRIC_STATE_BYTES,
-    RECORD_PAYLOAD,
 )
 
 
@@ -48,20 +47,6 @@ def relative_error(payloads: dict[str, bytes], inputs: dict[str, torch.Tensor]) 
         num += float(((decode_bytes(payloads[name]).to(torch.float64) - reference) ** 2).sum())
         den += float((reference**2).sum())
     return num / den if den > 0 else 0.0
-
-
-def _packed(payload: bytes) -> Array:
-    """A raw uint8 Array: no np.save header, the bytes travel as they are."""
-    return Array(dtype="uint8", shape=(len(payload),), stype="raw", data=payload)
-
-
-def payload_content(payloads: dict[str, bytes]) -> RecordDict:
-    """The reply content holding one packed payload per tensor, in model order.
-
-    The server measures the wire bytes of exactly this shape of RecordDict, so the
-    fp32 reference and the real payload differ only in the payload bytes.
-    """
-    return RecordDict({RECORD_PAYLOAD: ArrayRecord({n: _packed(b) for n, b in payloads.items()})})
 
 
 def trained_update(
@@ -103,9 +88,12 @@ def reply_metrics(
     *,
     measure_error: bool,
     fp32: Codec | None,
+    plain: RecordDict | None = None,
 ) -> MetricRecord:
     """The user's train metrics plus fedcomp's own measurements of this reply
-    (``fp32``: also the fp32 reference bytes of the same tensors; None skips them)."""
+    (``fp32``: also the fp32 reference bytes of the same tensors, and with ``plain``,
+    the app's own reply content, what plain Flower would have sent, its wire bytes;
+    None skips them)."""
     out = MetricRecord(dict(metrics))
     out[METRIC_ENCODE_S] = encode_s
     out[METRIC_CODEC_BYTES] = sum(len(b) for b in encoded.payloads.values())
@@ -119,5 +107,6 @@ def reply_metrics(
         seeds = instruction.seeds(deltas)
         reference = encode_all(fp32, instruction.policy, deltas, seeds)
         out[METRIC_FP32_CODEC_BYTES] = sum(len(b) for b in reference.values())
-        out[METRIC_FP32_CONTENT_WIRE_BYTES] = wire_bytes(payload_content(reference))
+        if plain is not None:
+            out[METRIC_FP32_CONTENT_WIRE_BYTES] = wire_bytes(plain)
     return out

@@ -43,7 +43,6 @@ from fedcomp.flower.encoding import (
     Instruction,
     encode_update,
     only_record,
-    payload_content,
     reply_metrics,
     trained_update,
 )
@@ -64,6 +63,7 @@ from fedcomp.flower.replica import (
     replica_header,
     store_replica,
 )
+from fedcomp.flower.reply_format import reply_content
 from fedcomp.flower.shared_settings import restore as restore_settings
 from fedcomp.keys import (
     KEY_CODEC,
@@ -78,7 +78,6 @@ from fedcomp.keys import (
     KEY_STABLE_ID,
     PROTOCOL_VERSION,
     RECORD_HEADER,
-    RECORD_METRICS,
 )
 
 _WRAPPER = "fedcomp.flower.strategy.CompressedStrategy"
@@ -195,6 +194,9 @@ class CompressionMod:
         self.measure_fp32_reference = measure_fp32_reference
         self.measure_error = measure_error
         self._fp32 = make_codec("fp32")
+        #: The last codec spec read and the codec built from it: a run sends the same
+        #: spec every round, so it is parsed and checked once.
+        self._codec: tuple[str, Any] | None = None
 
     def __call__(self, msg: Message, ctxt: Context, call_next: ClientAppCallable) -> Message:
         kind = msg.metadata.message_type
@@ -281,20 +283,16 @@ class CompressionMod:
             encode_s,
             measure_error=self.measure_error,
             fp32=self._fp32 if self.measure_fp32_reference else None,
+            plain=reply.content,
         )
-        header = ConfigRecord(
-            {
-                KEY_STABLE_ID: instruction.stable_id,
-                KEY_PROTOCOL: PROTOCOL_VERSION,
-                KEY_ROUND: instruction.round,
-                KEY_CODEC: json.dumps(instruction.codec.spec(), sort_keys=True),
-                **encoded.header,
-                **holdings,
-            }
-        )
-        content = payload_content(encoded.payloads)
-        content[RECORD_HEADER] = header
-        content[RECORD_METRICS] = out_metrics
+        header = {
+            KEY_STABLE_ID: instruction.stable_id,
+            KEY_PROTOCOL: PROTOCOL_VERSION,
+            KEY_ROUND: instruction.round,
+            **encoded.header,
+            **holdings,
+        }
+        content = reply_content(header, encoded.payloads, out_metrics)
         reply = Message(content, reply_to=msg)
         if encoded.memory is not None:  # last: nothing after this can fail
             self._keep_memory(msg, ctxt, instruction.stable_id, encoded.memory)
@@ -363,7 +361,7 @@ class CompressionMod:
                 f"this client speaks {PROTOCOL_VERSION}",
             )
         try:
-            codec = make_codec_from_spec(json.loads(str(config[KEY_CODEC])))
+            codec = self._codec_of(str(config[KEY_CODEC]))
             stable_id = stable_id_of(ctxt)
             policy = self._policy(config)
         except (ValueError, TypeError) as exc:
@@ -391,6 +389,13 @@ class CompressionMod:
             global_record=global_record,
             plan=plan,
         )
+
+    def _codec_of(self, spec: str) -> Any:
+        """The codec a JSON spec names (the last one is kept: specs do not change
+        within a run, and codecs hold no state of their own)."""
+        if self._codec is None or self._codec[0] != spec:
+            self._codec = (spec, make_codec_from_spec(json.loads(spec)))
+        return self._codec[1]
 
     def _state_dir(self, msg: Message) -> str | None:
         return self.state_dir(msg) if callable(self.state_dir) else self.state_dir

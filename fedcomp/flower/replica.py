@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
+from fedcomp.bundle import BundleError, pack_bundle, unpack_bundle
 from fedcomp.codecs import Codec, TensorPolicy
 from fedcomp.downlink import (
     MAX_STEPS,
@@ -40,11 +41,11 @@ from fedcomp.keys import (
     KEY_DOWNLINK_ARRAYS,
     KEY_DOWNLINK_CHECKSUM,
     KEY_DOWNLINK_CODEC,
+    KEY_DOWNLINK_PAYLOADS,
     KEY_DOWNLINK_STEPS,
     KEY_DOWNLINK_VERSION,
     KEY_REPLICA_CHECKSUM,
     KEY_REPLICA_VERSION,
-    RECORD_DOWNLINK,
     RECORD_HEADER,
 )
 from fedcomp.npzfile import read_npz_meta, write_npz_meta
@@ -52,10 +53,6 @@ from fedcomp.npzfile import read_npz_meta, write_npz_meta
 #: Context.state records of the client's replica.
 RECORD_REPLICA = "fedcomp.replica"
 RECORD_REPLICA_META = "fedcomp.replica-meta"
-
-
-def _packed(data: bytes) -> Array:
-    return Array(dtype="uint8", shape=(len(data),), stype="raw", data=data)
 
 
 # --- server half ---------------------------------------------------------------------
@@ -131,8 +128,8 @@ class ReplicaSender:
             mode = DOWNLINK_FULL
         else:
             del content[arrays_key]
-            content[RECORD_DOWNLINK] = ArrayRecord(
-                {f"{s.target}/{n}": _packed(p) for s in steps for n, p in s.payloads.items()}
+            config[KEY_DOWNLINK_PAYLOADS] = pack_bundle(
+                {f"{s.target}/{n}": p for s in steps for n, p in s.payloads.items()}
             )
             config[KEY_DOWNLINK_STEPS] = json.dumps(
                 [[s.source, s.target, s.checksum, s.scales] for s in steps]
@@ -208,25 +205,24 @@ def rebuild_model(
         )
     codec = _downlink_codec(config)
     arrays_key = _field(config, KEY_DOWNLINK_ARRAYS, str)
-    record = msg.content.array_records.get(RECORD_DOWNLINK)
-    if record is None:
-        raise ReplicaError(f"a '{DOWNLINK_STEPS}' instruction without '{RECORD_DOWNLINK}'")
+    blob = config.get(KEY_DOWNLINK_PAYLOADS)
+    if blob is None:
+        raise ReplicaError(f"a '{DOWNLINK_STEPS}' instruction without '{KEY_DOWNLINK_PAYLOADS}'")
     zero = _version_zero(initial) if initial is not None and replica.arrays is None else None
     held = replica.arrays if zero is None else zero.arrays  # the model's tensors
     if held is None:
         raise ReplicaError("no replica here (new, wiped or restarted): send the model")
     steps = _step_headers(_field(config, KEY_DOWNLINK_STEPS, str), list(held))
     check_chain(steps, version)
-    _index_payloads(record, steps, held)
+    _index_payloads(blob, steps, held)
     from_zero = steps[0].source == 0 if steps else version == 0
     # Steps from version 0: the server believes this client holds nothing, so a held
     # replica (e.g. a file another run left in a shared state directory) is not used.
     if initial is not None and from_zero:  # version 0, built here
         replica = zero if zero is not None else _version_zero(initial)
     new = replica.take_steps(steps, version, digest, codec=codec, policy=policy)
-    content = RecordDict({k: v for k, v in msg.content.items() if k != RECORD_DOWNLINK})
-    content[arrays_key] = ArrayRecord({k: Array(v) for k, v in (new.arrays or {}).items()})
-    msg.content = content
+    del config[KEY_DOWNLINK_PAYLOADS]  # the app's handler sees the model, not the steps
+    msg.content[arrays_key] = ArrayRecord({k: Array(v) for k, v in (new.arrays or {}).items()})
     return new
 
 
@@ -315,22 +311,26 @@ def _step_header(entry: Any, names: set[str]) -> Step:
     return Step(source, target, {}, digest, {k: float(v) for k, v in scales.items()})
 
 
-def _index_payloads(record: ArrayRecord, steps: list[Step], held: Mapping[str, np.ndarray]) -> None:
-    """Put each step's payloads into it, from ONE pass over the record: every entry is
+def _index_payloads(blob: object, steps: list[Step], held: Mapping[str, np.ndarray]) -> None:
+    """Put each step's payloads into it, from ONE pass over the bundle: every entry is
     "<target>/<tensor>" for a listed target (the targets increase: check_chain) and a
     tensor of the model, and there are exactly the steps' tensors."""
     expected = len(steps) * len(held)
+    try:
+        record = unpack_bundle(blob, max_entries=expected)
+    except BundleError as exc:
+        raise ReplicaError(f"'{KEY_DOWNLINK_PAYLOADS}': {exc}") from exc
     if len(record) != expected:
         raise ReplicaError(
-            f"'{RECORD_DOWNLINK}' holds {len(record)} payloads, {len(steps)} steps of "
+            f"'{KEY_DOWNLINK_PAYLOADS}' holds {len(record)} payloads, {len(steps)} steps of "
             f"{len(held)} tensors make {expected}"
         )
     by_target = {str(step.target): step.payloads for step in steps}
-    for key, array in record.items():
+    for key, payload in record.items():
         target, _, name = key.partition("/")
         if target not in by_target or name not in held:
             raise ReplicaError(f"payload {key!r:.80} is not '<target>/<tensor>' of a listed step")
-        by_target[target][name] = array.data
+        by_target[target][name] = payload
 
 
 def replica_header(replica: Replica) -> dict[str, int | str]:

@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from flwr.app import ArrayRecord, MetricRecord, RecordDict
+from flwr.app import MetricRecord
 
 from fedcomp.controlvariates import ControlVariateServer
 from fedcomp.flower.accounting import wire_bytes
+from fedcomp.flower.round_state import Decoded
 from fedcomp.keys import (
     METRIC_CODEC_BYTES,
     METRIC_CV_BOUND,
@@ -21,7 +22,6 @@ from fedcomp.keys import (
     METRIC_OUT_OF_RANGE,
     METRIC_REL_ERROR,
     METRIC_STATE_BYTES,
-    RECORD_PAYLOAD,
 )
 from fedcomp.progress import human_bytes
 from fedcomp.results_file import RoundCounts
@@ -52,13 +52,12 @@ def empty_client_row(stable_id: int) -> dict[str, Any]:
     }
 
 
-def account_reply(
-    row: dict[str, Any], payloads: ArrayRecord, metrics: MetricRecord, weight: float
-) -> None:
+def account_reply(row: dict[str, Any], item: Decoded, metrics: MetricRecord, weight: float) -> None:
     """Fill a decoded reply's row: measured codec bytes, the client's own metrics, and
-    the fp32 reference (its wire bytes = the reply's minus its payload record's plus
-    the client-measured fp32 payload record's)."""
-    row["uplink_codec_bytes"] = sum(len(a.data) for a in payloads.values())
+    the fp32 reference: the same reply with the app's own content, what plain Flower
+    would have sent (its wire bytes = the reply's minus its content's plus the
+    client-measured app content's)."""
+    row["uplink_codec_bytes"] = sum(len(p) for p in item.payloads.values())
     row["encode_s"] = float(metrics.get(METRIC_ENCODE_S, 0.0))
     row["num_examples"] = int(weight)
     row["client_codec_bytes"] = int(metrics.get(METRIC_CODEC_BYTES, -1))
@@ -67,12 +66,11 @@ def account_reply(
             row[key.removeprefix("fedcomp.")] = float(metrics[key])
     if METRIC_REL_ERROR in metrics:
         row["codec_rel_error"] = float(metrics[METRIC_REL_ERROR])
-    if METRIC_FP32_CODEC_BYTES in metrics:
-        payload_only_wire = wire_bytes(RecordDict({RECORD_PAYLOAD: payloads}))
+    if METRIC_FP32_CODEC_BYTES in metrics and METRIC_FP32_CONTENT_WIRE_BYTES in metrics:
         row["fp32_codec_bytes"] = int(metrics[METRIC_FP32_CODEC_BYTES])
         row["fp32_wire_bytes"] = (
             row["uplink_wire_bytes"]
-            - payload_only_wire
+            - wire_bytes(item.message.content)
             + int(metrics[METRIC_FP32_CONTENT_WIRE_BYTES])
         )
 

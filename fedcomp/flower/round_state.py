@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from flwr.app import Message, MetricRecord
+from flwr.app import ConfigRecord, Message, MetricRecord
 
 from fedcomp.aggregate import RunningMean
 from fedcomp.controlvariates import PendingMirror
@@ -27,6 +27,10 @@ class Decoded:
     weight: float
     metrics: MetricRecord
     message: Message
+    #: The checked header and payloads (views into the reply's bundle): a reply decoded
+    #: again (streaming) is not validated again.
+    header: ConfigRecord = field(default_factory=ConfigRecord)
+    payloads: dict[str, memoryview] = field(default_factory=dict)
     #: Joint codes: the checked one-bit payloads, decoded together at hand-over.
     joint: dict[str, bytes] = field(default_factory=dict)
     #: Residual memory: the mirror this reply moves the client to, stored only once

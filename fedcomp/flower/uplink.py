@@ -31,7 +31,6 @@ from fedcomp.flower.options import ServerOptions
 from fedcomp.flower.rejection import count_error_reply, drop_metric_misfits
 from fedcomp.flower.round_records import account_reply, empty_client_row
 from fedcomp.flower.round_state import Decoded, RoundState
-from fedcomp.keys import RECORD_PAYLOAD
 from fedcomp.traffic import Kind
 from fedcomp.trees.aggregate import TreeConfig, TreeStats
 
@@ -133,7 +132,7 @@ class Uplink:
         """Account the accepted replies, move their mirrors, and acknowledge them."""
         for item in decoded:
             row = state.per_client[item.stable_id]
-            account_reply(row, item.message.content[RECORD_PAYLOAD], item.metrics, item.weight)
+            account_reply(row, item, item.metrics, item.weight)
             if "fp32_wire_bytes" in row:  # the reply's fp32 size, measured by the client
                 state.traffic.correct_fp32(
                     Kind.TRAIN_REPLY, row["uplink_wire_bytes"], row["fp32_wire_bytes"]

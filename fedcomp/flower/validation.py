@@ -10,12 +10,14 @@ allocated (docs/reliability.md has the field-by-field table).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, MetricRecord, RecordDict
 
+from fedcomp.bundle import BundleError
 from fedcomp.codecs import Codec, TensorPolicy, parse_payload
 from fedcomp.codecs.dense import RawCodec
 from fedcomp.codecs.wire import (
@@ -26,6 +28,7 @@ from fedcomp.codecs.wire import (
     check_field,
 )
 from fedcomp.failures import Failure, Rejection
+from fedcomp.flower.reply_format import payloads_of
 from fedcomp.influence import MAX_NUM_EXAMPLES
 from fedcomp.keys import (
     KEY_NUM_EXAMPLES,
@@ -35,7 +38,6 @@ from fedcomp.keys import (
     PROTOCOL_VERSION,
     RECORD_HEADER,
     RECORD_METRICS,
-    RECORD_PAYLOAD,
 )
 from fedcomp.rng import derive_seed
 
@@ -52,15 +54,28 @@ def _torch_dtype(array: np.ndarray) -> torch.dtype:
     return torch.from_numpy(np.empty(0, dtype=array.dtype)).dtype
 
 
+@dataclass(frozen=True)
+class CheckedReply:
+    """A train reply that passed :func:`check_reply`: what decoding reads from it."""
+
+    header: ConfigRecord
+    metrics: MetricRecord
+    weight: float
+    #: Per tensor of the model, in its order, the payload (a view into the bundle).
+    payloads: dict[str, memoryview]
+
+
 def check_reply(
     content: RecordDict,
     stable_id: int,
     server_round: int,
+    names: Sequence[str],
     *,
     max_weight: float = MAX_NUM_EXAMPLES,
-) -> tuple[ConfigRecord, MetricRecord, float, ArrayRecord]:
+) -> CheckedReply:
     """Check the header, the weight (positive, finite, at most ``max_weight``), the
-    metrics (finite scalars) and the records; return them.
+    metrics (finite scalars) and the payload bundle (exactly the model's tensors
+    ``names``, in order; fedcomp.bundle); return them.
 
     Raises
     ------
@@ -98,10 +113,11 @@ def check_reply(
             Failure.BAD_WEIGHT,
         )
     check_train_metrics(metrics)
-    payloads = content.array_records.get(RECORD_PAYLOAD)
-    if payloads is None:
-        raise ReplyError(f"no '{RECORD_PAYLOAD}' record")
-    return header, metrics, float(weight), payloads
+    try:
+        payloads = payloads_of(header, names)
+    except BundleError as exc:
+        raise ReplyError(f"payloads: {exc}") from exc
+    return CheckedReply(header, metrics, float(weight), payloads)
 
 
 def check_train_metrics(metrics: MetricRecord) -> None:
@@ -187,7 +203,7 @@ def _pick_codec(name: str, payload: Payload, allowed: tuple[Codec, ...]) -> Code
 
 
 def decode_payloads(
-    payloads: ArrayRecord,
+    payloads: Mapping[str, bytes | memoryview],
     global_arrays: Mapping[str, np.ndarray],
     *,
     codec: Codec | None,
@@ -208,7 +224,7 @@ def decode_payloads(
         raise ReplyError("payload tensor names differ from the global model's")
     deltas, codecs = {}, {}
     for name, reference in global_arrays.items():
-        payload = parse_payload(payloads[name].data, max_numel=reference.size)
+        payload = parse_payload(payloads[name], max_numel=reference.size)
         _check_header(name, payload.header, reference)
         used = _pick_codec(name, payload, allowed_codecs(reference, codec, policy))
         # Codecs that regenerate public draws carry the derived seed: it must be the

@@ -71,6 +71,8 @@ class DecodedUpdate:
 
 
 LoadMemory = Callable[[], MemoryState]
+#: One reply's payloads by tensor, in model order (views into its bundle).
+Payloads = Mapping[str, bytes | memoryview]
 
 
 class ServerHalf:
@@ -87,7 +89,7 @@ class ServerHalf:
         """Before the round's instructions leave (the joint code's public plan)."""
 
     def decode(
-        self, payloads: ArrayRecord, header: ConfigRecord, stable_id: int, state: Any
+        self, payloads: Payloads, header: ConfigRecord, stable_id: int, state: Any
     ) -> DecodedUpdate:
         raise NotImplementedError
 

@@ -33,6 +33,7 @@ from fedcomp.flower.families.base import (
     Family,
     Instruction,
     LoadMemory,
+    Payloads,
     ServerHalf,
 )
 from fedcomp.flower.validation import ReplyError, _check_header, decode_payloads
@@ -85,7 +86,7 @@ def plan_round(
 def split_reply(
     code: OneBitCode,
     plan: JointRound,
-    payloads: ArrayRecord,
+    payloads: Payloads,
     global_arrays: Mapping[str, np.ndarray],
     *,
     run_seed: int,
@@ -105,7 +106,7 @@ def split_reply(
         )
     joint = {}
     for name in plan.names:
-        buf = payloads[name].data
+        buf = payloads[name]
         reference = np.asarray(global_arrays[name])
         try:
             _check_header(name, parse_payload(buf, max_numel=reference.size).header, reference)
@@ -122,7 +123,7 @@ def split_reply(
         joint[name] = bytes(buf)
     rest = [n for n in global_arrays if n not in joint]
     deltas, codecs = decode_payloads(
-        ArrayRecord({n: payloads[n] for n in rest}),
+        {n: payloads[n] for n in rest},
         {n: global_arrays[n] for n in rest},
         codec=None,  # the policy sends every tensor outside the joint plan raw
         policy=None,
@@ -264,7 +265,7 @@ class JointServer(ServerHalf):
         state.joint = plan_round(self.code, policy, self.joint_state, state.global_arrays, selected)
 
     def decode(
-        self, payloads: ArrayRecord, header: ConfigRecord, stable_id: int, state: Any
+        self, payloads: Payloads, header: ConfigRecord, stable_id: int, state: Any
     ) -> DecodedUpdate:
         deltas, bits, codecs = split_reply(
             self.code,

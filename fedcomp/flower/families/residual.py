@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord
+from flwr.app import ConfigRecord
 
 from fedcomp.codecs import Codec, TensorPolicy, make_codec_from_spec
 from fedcomp.codecs.residual import SYNC_FULL, SYNC_NORMAL
@@ -37,6 +37,7 @@ from fedcomp.flower.families.base import (
     Family,
     Instruction,
     LoadMemory,
+    Payloads,
     ServerHalf,
 )
 from fedcomp.flower.families.feedback import FeedbackServer
@@ -66,7 +67,7 @@ class ResidualServer(FeedbackServer):
         self.mirror_dir = mirror_dir
 
     def decode(
-        self, payloads: ArrayRecord, header: ConfigRecord, stable_id: int, state: Any
+        self, payloads: Payloads, header: ConfigRecord, stable_id: int, state: Any
     ) -> DecodedUpdate:
         """The reply's update ``h + decode(q)`` and the mirror it moves its client to
         (not stored: the mirror moves only when the reply is accepted)."""

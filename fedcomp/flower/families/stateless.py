@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord
+from flwr.app import ConfigRecord
 
 from fedcomp.codecs import Codec, TensorPolicy
 from fedcomp.codecs.policy import encode_all
@@ -21,6 +21,7 @@ from fedcomp.flower.families.base import (
     Family,
     Instruction,
     LoadMemory,
+    Payloads,
     ServerHalf,
 )
 from fedcomp.flower.validation import decode_payloads
@@ -37,7 +38,7 @@ class StatelessServer(ServerHalf):
         return self.codec
 
     def decode_with(
-        self, codec: Codec, payloads: ArrayRecord, stable_id: int, state: Any
+        self, codec: Codec, payloads: Payloads, stable_id: int, state: Any
     ) -> DecodedUpdate:
         deltas, codecs = decode_payloads(
             payloads,
@@ -51,7 +52,7 @@ class StatelessServer(ServerHalf):
         return DecodedUpdate(deltas, codecs)
 
     def decode(
-        self, payloads: ArrayRecord, header: ConfigRecord, stable_id: int, state: Any
+        self, payloads: Payloads, header: ConfigRecord, stable_id: int, state: Any
     ) -> DecodedUpdate:
         return self.decode_with(self.wire_codec(state.number), payloads, stable_id, state)
 

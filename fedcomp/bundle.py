@@ -1,0 +1,133 @@
+"""Several named payloads in one bytes value: how a compressed message carries every
+tensor's payload as ONE Flower object.
+
+On a Deployment Engine each Flower object of a message (each record, each Array and
+each of its chunks) is its own HTTP call with about 1 KB of headers, so a reply with
+one Array per tensor costs two calls per tensor whatever its payload weighs. A bundle
+is a single ``bytes`` value of the message's header ConfigRecord instead.
+
+Layout (little-endian)::
+
+    magic b"FB" | u8 version | u32 count
+    count x ( u16 name length | name, UTF-8 | u32 payload length )
+    the payloads, in entry order, back to back
+
+Every length is checked against what is left of the value before anything is sliced,
+and the payload lengths must add up to exactly the bytes after the table: a bundle
+costs its reader nothing beyond its own size.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Mapping, Sequence
+
+BUNDLE_MAGIC = b"FB"
+BUNDLE_VERSION = 1
+#: The longest tensor name a bundle carries (in UTF-8 bytes).
+MAX_NAME_BYTES = 1024
+
+_HEAD = struct.Struct("<2sBI")
+_NAME = struct.Struct("<H")
+_SIZE = struct.Struct("<I")
+
+
+class BundleError(ValueError):
+    """A bundle that cannot be read: truncated, inconsistent, or not the one expected."""
+
+
+def pack_bundle(items: Mapping[str, bytes | bytearray | memoryview]) -> bytes:
+    """One bytes value holding every named payload, in the mapping's order.
+
+    Raises
+    ------
+    BundleError
+        A name longer than :data:`MAX_NAME_BYTES` or a payload of 4 GiB or more.
+    """
+    table, bodies = [], []
+    for name, payload in items.items():
+        encoded = name.encode("utf-8")
+        if len(encoded) > MAX_NAME_BYTES:
+            raise BundleError(f"tensor name of {len(encoded)} bytes (max {MAX_NAME_BYTES})")
+        if len(payload) >= 2**32:
+            raise BundleError(f"{name}: a payload of {len(payload)} bytes (max 2**32 - 1)")
+        table += [_NAME.pack(len(encoded)), encoded, _SIZE.pack(len(payload))]
+        bodies.append(bytes(payload))
+    return b"".join([_HEAD.pack(BUNDLE_MAGIC, BUNDLE_VERSION, len(bodies)), *table, *bodies])
+
+
+def unpack_bundle(
+    blob: object, *, max_entries: int, names: Sequence[str] | None = None
+) -> dict[str, memoryview]:
+    """The named payloads of a bundle, as views into ``blob`` (nothing is copied).
+
+    Parameters
+    ----------
+    blob : object
+        What the message holds where the bundle should be (anything but ``bytes`` is
+        refused).
+    max_entries : int
+        The most entries the reader accepts (checked before the table is read).
+    names : sequence of str, optional
+        The exact names expected, in order (the model's tensors).
+
+    Raises
+    ------
+    BundleError
+        Naming the first problem: not bytes, truncated, wrong magic or version, too
+        many entries, a name that is not UTF-8 or repeats, lengths that do not add up
+        to the value's size, or names other than ``names``.
+    """
+    if not isinstance(blob, bytes):
+        raise BundleError(f"the payload bundle is a {type(blob).__name__}, not bytes")
+    view = memoryview(blob)
+    if len(view) < _HEAD.size:
+        raise BundleError(f"truncated bundle: {len(view)} bytes, its header needs {_HEAD.size}")
+    magic, version, count = _HEAD.unpack_from(view, 0)
+    if magic != BUNDLE_MAGIC:
+        raise BundleError(f"not a payload bundle (magic {bytes(magic)!r})")
+    if version != BUNDLE_VERSION:
+        raise BundleError(f"bundle format version {version}, this reads {BUNDLE_VERSION}")
+    expected = max_entries if names is None else len(names)
+    if count > max_entries or (names is not None and count != expected):
+        bound = f"at most {max_entries}" if names is None else f"exactly {expected}"
+        raise BundleError(f"the bundle claims {count} payloads, {bound} allowed")
+    entries, offset = _read_table(view, count)
+    sizes = sum(size for _, size in entries)
+    if sizes != len(view) - offset:
+        raise BundleError(
+            f"the bundle's payload lengths add up to {sizes} bytes, {len(view) - offset} follow"
+        )
+    if names is not None and [n for n, _ in entries] != list(names):
+        raise BundleError("the bundle's tensor names differ from the model's (or their order)")
+    out: dict[str, memoryview] = {}
+    for name, size in entries:
+        out[name] = view[offset : offset + size]
+        offset += size
+    return out
+
+
+def _read_table(view: memoryview, count: int) -> tuple[list[tuple[str, int]], int]:
+    """The (name, size) entries and where the payloads start; every read is bounded
+    by the value's length first."""
+    entries: list[tuple[str, int]] = []
+    seen: set[str] = set()
+    offset = _HEAD.size
+    for i in range(count):
+        if offset + _NAME.size > len(view):
+            raise BundleError(f"truncated bundle: entry {i} of {count} is cut off")
+        (length,) = _NAME.unpack_from(view, offset)
+        end = offset + _NAME.size + length
+        if length > MAX_NAME_BYTES or end + _SIZE.size > len(view):
+            raise BundleError(f"entry {i}: a {length}-byte name does not fit the bundle")
+        try:
+            name = bytes(view[offset + _NAME.size : end]).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise BundleError(f"entry {i}: the name is not UTF-8 ({exc.reason})") from exc
+        if name in seen:
+            raise BundleError(f"entry {i}: tensor {name!r:.80} appears twice")
+        seen.add(name)
+        (size,) = _SIZE.unpack_from(view, end)
+        entries.append((name, size))
+        offset = end + _SIZE.size
+    return entries, offset
