@@ -21,6 +21,8 @@ Rounds written since the traffic accounting also hold ``traffic`` (every message
 both ways: messages, record, wire and fp32-reference wire bytes), ``total_wire_bytes``
 and ``train_wire_bytes`` with their fp32 references; ``ratio_vs_fp32_*`` stay the train
 replies' (uplink) ratios.
+Rounds with a client evaluation written since ``evaluate_in_train`` existed say which
+it is in ``client_eval`` ("evaluate" or "pre-train"; absent in older files: evaluate).
 
 Byte counts are measured from real payloads and messages, never computed.
 """
