@@ -31,7 +31,7 @@ from fedcomp.models import build_model
 from fedcomp.observers import Reporting
 from fedcomp.progress import ProgressReporter
 from fedcomp.results_file import build_results, write_results
-from fedcomp.rules import check_codec_regime, check_learnable
+from fedcomp.rules import check_client_evaluation, check_codec_regime, check_learnable
 from fedcomp.settings import (
     Settings,
     aggregation_of,
@@ -150,6 +150,7 @@ def build_strategy(
     check_learnable(
         settings.codec, str(settings.strategy["name"]), regime_check=settings.regime_check
     )
+    check_client_evaluation(settings.evaluate_in_train, settings.fraction_evaluate)
     return CompressedStrategy(
         make_inner_strategy(
             settings.strategy,

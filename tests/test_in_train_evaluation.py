@@ -50,12 +50,23 @@ def _settings(in_train: bool) -> Settings:
 # --------------------------------------------------------------------- the setting
 
 
+def _error(fn, settings: Settings) -> str:
+    try:
+        fn(settings)
+    except ValueError as exc:
+        return str(exc)
+    return "ok"
+
+
 def test_the_setting_refuses_evaluate_messages_naming_both_keys() -> None:
     with pytest.raises(ValueError, match=r"fraction_evaluate=1\.0.*evaluate_in_train"):
         validate(settings_from_dict({"evaluate_in_train": True}))
     # the flat run config of flwr run / the Deployment Engine is checked the same way
     with pytest.raises(ValueError, match=r"fraction_evaluate=0\.5"):
         settings_from_run_config({"evaluate_in_train": True, "fraction_evaluate": 0.5})
+    # the ServerApp's own construction refuses it with the same message
+    both = settings_from_dict({"evaluate_in_train": True})
+    assert _error(validate, both) == _error(build_strategy, both) != "ok"
     assert validate(_settings(True)).evaluate_in_train is True
     assert Settings().evaluate_in_train is False  # off by default
 
