@@ -22,7 +22,7 @@ from flwr.clientapp.typing import ClientAppCallable, Mod
 from clients.faults import FaultMod, NaNFaultMod
 from clients.paths import ClientPaths, resolve, task_paths, with_paths
 from fedcomp.codecs import TensorPolicy
-from fedcomp.data import client_datasets
+from fedcomp.data import ArrayDataset, client_datasets
 from fedcomp.diagnostics import write_update
 from fedcomp.flower.identity import partition_id_of, stable_id_of
 from fedcomp.flower.mod import CompressionMod
@@ -30,6 +30,9 @@ from fedcomp.keys import (
     KEY_NUM_EXAMPLES,
     KEY_ROUND,
     KEY_TASK,
+    METRIC_PRE_TRAIN_ACCURACY,
+    METRIC_PRE_TRAIN_EXAMPLES,
+    METRIC_PRE_TRAIN_LOSS,
     RECORD_METRICS,
 )
 from fedcomp.models import build_model
@@ -145,6 +148,42 @@ def _initial_model(msg: Message) -> ArrayRecord:
         return ArrayRecord(model.state_dict())
 
 
+def evaluation_split(train_set: ArrayDataset, val_set: ArrayDataset) -> ArrayDataset:
+    """The client's local evaluation data: its validation split, or its training data
+    when the partition has none (partition.val_fraction=0)."""
+    return val_set if len(val_set) > 0 else train_set
+
+
+def pre_train_metrics(
+    model: torch.nn.Module, data: ArrayDataset, device: torch.device | str = "cpu"
+) -> dict[str, float | int]:
+    """The received model's accuracy, mean loss and example count on ``data``, under
+    the names the server's wrapper reads (settings.evaluate_in_train)."""
+    loss, acc = evaluate(model, data, device=device)
+    return {
+        METRIC_PRE_TRAIN_ACCURACY: acc,
+        METRIC_PRE_TRAIN_LOSS: loss,
+        METRIC_PRE_TRAIN_EXAMPLES: len(data),
+    }
+
+
+def _write_diagnostics(
+    directory: str, msg: Message, stable_id: int, num_examples: int, model: torch.nn.Module
+) -> None:
+    """The exact update (trained model minus the model received), outside the message."""
+    start = next(iter(msg.content.array_records.values()))
+    write_update(
+        directory,
+        _round(msg),
+        stable_id,
+        num_examples,
+        {
+            k: v.detach().cpu().double().numpy() - np.asarray(start[k].numpy())
+            for k, v in model.state_dict().items()
+        },
+    )
+
+
 def make_client_app(
     policy: TensorPolicy | None = None,
     inner_mods: list[Mod] | None = None,
@@ -174,11 +213,17 @@ def make_client_app(
         task = _task(msg)
         stable_id = stable_id_of(context)
         model = _model_from(msg, task)
-        train_set, _ = client_datasets(task, partition_id_of(context))
+        train_set, val_set = client_datasets(task, partition_id_of(context))
         gen = torch_generator(task.seed, "local-train", _round(msg), stable_id)
         config = next(iter(msg.content.config_records.values()), ConfigRecord())
         mu = float(config.get("proximal-mu", 0.0))  # set by Flower's FedProx
         device = select_device(task.train.device)
+        # Before training: the model as received (training changes it in place).
+        received = (
+            pre_train_metrics(model, evaluation_split(train_set, val_set), device)
+            if task.evaluate_in_train
+            else {}
+        )
         loss = train_local(model, train_set, task.train, gen, proximal_mu=mu, device=device)
         perturb_update(
             model,
@@ -189,18 +234,10 @@ def make_client_app(
             stable_id=stable_id,
         )
         if task.diagnostics_dir:  # exact update, outside the message (fedcomp.diagnostics)
-            start = next(iter(msg.content.array_records.values()))
-            write_update(
-                task.diagnostics_dir,
-                _round(msg),
-                stable_id,
-                len(train_set),
-                {
-                    k: v.detach().cpu().double().numpy() - np.asarray(start[k].numpy())
-                    for k, v in model.state_dict().items()
-                },
-            )
-        metrics = MetricRecord({KEY_NUM_EXAMPLES: len(train_set), METRIC_TRAIN_LOSS: loss})
+            _write_diagnostics(task.diagnostics_dir, msg, stable_id, len(train_set), model)
+        metrics = MetricRecord(
+            {KEY_NUM_EXAMPLES: len(train_set), METRIC_TRAIN_LOSS: loss, **received}
+        )
         content = RecordDict({"arrays": ArrayRecord(model.state_dict()), RECORD_METRICS: metrics})
         return Message(content, reply_to=msg)
 
@@ -210,7 +247,7 @@ def make_client_app(
         task = _task(msg)
         model = _model_from(msg, task)
         train_set, val_set = client_datasets(task, partition_id_of(context))
-        data = val_set if len(val_set) > 0 else train_set
+        data = evaluation_split(train_set, val_set)
         loss, acc = evaluate(model, data, device=select_device(task.train.device))
         metrics = MetricRecord(
             {KEY_NUM_EXAMPLES: len(data), METRIC_EVAL_LOSS: loss, METRIC_EVAL_ACC: acc}

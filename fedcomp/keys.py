@@ -114,3 +114,11 @@ FAULT_REASON_PREFIX = "fault injection: "
 #: Node-config keys a SuperNode may carry to name its stable id.
 NODE_CONFIG_STABLE_ID = "stable-id"
 NODE_CONFIG_PARTITION_ID = "partition-id"
+
+#: Evaluation inside the train round (settings.evaluate_in_train): each train reply
+#: also reports the model the client RECEIVED, evaluated before local training on its
+#: local evaluation split (the data an evaluate instruction would use): accuracy, mean
+#: loss and the number of examples, which weigh the server's mean of the other two.
+METRIC_PRE_TRAIN_ACCURACY = "pre-train-accuracy"
+METRIC_PRE_TRAIN_LOSS = "pre-train-loss"
+METRIC_PRE_TRAIN_EXAMPLES = "pre-train-examples"

@@ -21,6 +21,8 @@ Rounds written since the traffic accounting also hold ``traffic`` (every message
 both ways: messages, record, wire and fp32-reference wire bytes), ``total_wire_bytes``
 and ``train_wire_bytes`` with their fp32 references; ``ratio_vs_fp32_*`` stay the train
 replies' (uplink) ratios.
+Rounds with a client evaluation written since ``evaluate_in_train`` existed say which
+it is in ``client_eval`` ("evaluate" or "pre-train"; absent in older files: evaluate).
 
 Byte counts are measured from real payloads and messages, never computed.
 """
@@ -83,7 +85,17 @@ OPTIONAL_ROUND_FIELDS: dict[str, tuple[type, ...]] = {
     "fp32_total_wire_bytes": (int,),
     "train_wire_bytes": (int,),
     "fp32_train_wire_bytes": (int,),
+    # Where client_accuracy / client_loss come from (CLIENT_EVAL_KINDS); absent when
+    # no client evaluation was aggregated that round.
+    "client_eval": (str,),
 }
+
+#: ``client_eval``: the evaluate replies (the round's new aggregate, on the clients
+#: sampled to evaluate), or the train replies' pre-train metrics (the model the
+#: train-sampled clients received: the previous round's aggregate; evaluate_in_train).
+CLIENT_EVAL_EVALUATE = "evaluate"
+CLIENT_EVAL_PRE_TRAIN = "pre-train"
+CLIENT_EVAL_KINDS = (CLIENT_EVAL_EVALUATE, CLIENT_EVAL_PRE_TRAIN)
 
 SUMMARY_FIELDS: dict[str, tuple[type, ...]] = {
     "final_accuracy": _OPT_NUM,
@@ -135,6 +147,8 @@ class RoundCounts:
     client_loss: float | None = None
     #: Every aggregated client-evaluation metric (scalar ones).
     client_metrics: dict[str, float] = field(default_factory=dict)
+    #: Which client evaluation those are (CLIENT_EVAL_KINDS; None: none this round).
+    client_eval: str | None = None
     diagnostics: dict[str, float] | None = None
     tree: dict[str, Any] | None = None
     joint: dict[str, Any] | None = None
@@ -239,6 +253,11 @@ def validate_results(obj: Any) -> dict[str, Any]:
         _check_fields(rnd, ROUND_FIELDS, f"rounds[{i}]", OPTIONAL_ROUND_FIELDS)
         if rnd["round"] != i + 1:
             raise ResultsError(f"rounds[{i}].round: {rnd['round']}, expected {i + 1}")
+        if rnd.get("client_eval", CLIENT_EVAL_EVALUATE) not in CLIENT_EVAL_KINDS:
+            raise ResultsError(
+                f"rounds[{i}].client_eval: {rnd['client_eval']!r}, "
+                f"allowed: {', '.join(CLIENT_EVAL_KINDS)}"
+            )
         for j, client in enumerate(rnd["per_client"]):
             _check_fields(client, CLIENT_FIELDS, f"rounds[{i}].per_client[{j}]")
     _check_fields(obj.get("summary"), SUMMARY_FIELDS, "summary")

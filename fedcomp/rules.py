@@ -142,6 +142,19 @@ def check_server_options(
         fail("aggregation.max_num_examples", max_num_examples, "must be a number in [1, 1e15]")
 
 
+def check_client_evaluation(evaluate_in_train: bool, fraction_evaluate: float) -> None:
+    """Evaluation inside the train round replaces the evaluate messages: refuse a run
+    that asks for both (forcing fraction_evaluate to 0 would leave results.json's
+    config saying evaluate instructions were sampled when none were)."""
+    if evaluate_in_train and fraction_evaluate > 0:
+        fail(
+            "fraction_evaluate",
+            fraction_evaluate,
+            "evaluate_in_train=true sends no evaluate instructions (the train replies "
+            "carry the clients' evaluation): set fraction_evaluate=0",
+        )
+
+
 def _check_handoff(codec_name: str, handoff: str, strategy_name: str, trees: Any) -> None:
     """The hand-off against what it hands over: a mean needs a mean-based strategy, a
     joint code needs the mean, reduction trees need a mean they sum themselves."""

@@ -27,7 +27,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Union
 
-from fedcomp.rules import check_codec_regime, check_learnable, check_server_options, fail
+from fedcomp.rules import (
+    check_client_evaluation,
+    check_codec_regime,
+    check_learnable,
+    check_server_options,
+    fail,
+)
 
 if TYPE_CHECKING:  # a runtime import would load torch for every settings user
     from fedcomp.handoff_options import Aggregation
@@ -323,6 +329,11 @@ class Settings:
     #: Fractions of the known clients sampled per round (by the wrapper, seeded).
     fraction_train: float = 1.0
     fraction_evaluate: float = 1.0
+    #: The train-sampled clients evaluate the model they received, before training, on
+    #: their local evaluation split and report it in their train reply; no evaluate
+    #: instructions are sent (fraction_evaluate must be 0). The round's client_accuracy
+    #: is then that of the previous round's aggregate (docs/experiments.md).
+    evaluate_in_train: bool = False
     aggregation: AggregationSettings = field(default_factory=AggregationSettings)
     faults: FaultSettings = field(default_factory=FaultSettings)
     simulation: SimulationSettings = field(default_factory=SimulationSettings)
@@ -490,6 +501,7 @@ def validate(settings: Settings) -> Settings:
         reject_factor=a.reject_factor,
         max_num_examples=a.max_num_examples,
     )
+    check_client_evaluation(s.evaluate_in_train, s.fraction_evaluate)
     return s
 
 

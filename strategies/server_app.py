@@ -31,7 +31,7 @@ from fedcomp.models import build_model
 from fedcomp.observers import Reporting
 from fedcomp.progress import ProgressReporter
 from fedcomp.results_file import build_results, write_results
-from fedcomp.rules import check_codec_regime, check_learnable
+from fedcomp.rules import check_client_evaluation, check_codec_regime, check_learnable
 from fedcomp.settings import (
     Settings,
     aggregation_of,
@@ -65,6 +65,13 @@ def client_task(settings: Settings) -> dict[str, Any]:
     tree = settings_to_dict(settings)
     task = {k: tree[k] for k in CLIENT_TASK_KEYS}
     task["dataset"] = {k: v for k, v in task["dataset"].items() if k != "path"}
+    if settings.evaluate_in_train:
+        # Named only when on: with it off the task (and so every instruction's bytes)
+        # stays what it was, and a client takes the default (off) when it is absent.
+        # fraction_evaluate comes along because the client validates its task as a
+        # whole Settings, and the setting is valid only with it at 0.
+        task["evaluate_in_train"] = True
+        task["fraction_evaluate"] = settings.fraction_evaluate
     return task
 
 
@@ -143,6 +150,7 @@ def build_strategy(
     check_learnable(
         settings.codec, str(settings.strategy["name"]), regime_check=settings.regime_check
     )
+    check_client_evaluation(settings.evaluate_in_train, settings.fraction_evaluate)
     return CompressedStrategy(
         make_inner_strategy(
             settings.strategy,

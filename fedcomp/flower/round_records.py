@@ -121,6 +121,7 @@ def round_record(
         "client_accuracy": counts.client_accuracy,
         "client_loss": counts.client_loss,
         "client_metrics": dict(counts.client_metrics),
+        **({"client_eval": counts.client_eval} if counts.client_eval is not None else {}),
         **{key: sum(r[key] for r in rows) for key in _SUMMED},
         "per_client": rows,
         **traffic.round_fields(),

@@ -26,7 +26,11 @@ from flwr.serverapp.strategy import Result, Strategy
 
 from fedcomp.downlink import DownlinkSpec
 from fedcomp.flower.accounting import count_replies
-from fedcomp.flower.evaluation import record_client_metrics, valid_evaluate_replies
+from fedcomp.flower.evaluation import (
+    record_client_metrics,
+    record_pre_train_metrics,
+    valid_evaluate_replies,
+)
 from fedcomp.flower.inner_calls import InnerCalls
 from fedcomp.flower.options import ServerOptions
 from fedcomp.flower.round_book import print_through_flower
@@ -221,6 +225,14 @@ class CompressedStrategy(Strategy):
         replies = list(replies)
         self.clients.note_replies(replies)
         decoded = self.uplink.receive(replies, state, self.clients.accepted_round)
+        # Evaluation inside the train round: the accepted replies' own evaluation of
+        # the model they received (settings.evaluate_in_train); replies without it
+        # leave the record to the evaluate replies.
+        record_pre_train_metrics(
+            state.record,
+            [(d.stable_id, d.metrics) for d in decoded],
+            self.options.influence.max_num_examples,
+        )
         t1 = time.perf_counter()
         handed = self.uplink.hand_off(decoded, state)
         arrays, metrics = None, None
