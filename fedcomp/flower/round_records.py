@@ -224,9 +224,11 @@ def log_line(record: Mapping[str, Any], num_rounds: int) -> str:
         record["traffic"].get(str(k), {}).get("wire_bytes", 0)
         for k in (Kind.EVALUATE_INSTRUCTION, Kind.EVALUATE_REPLY)
     )
+    # pre-train client evaluation measures the model the clients received (last round's)
+    pre = " (pre-train)" if record.get("client_eval") == "pre-train" else ""
     return (
         f"round {record['round']}/{num_rounds} | accuracy {fmt(record['accuracy'])} "
-        f"loss {fmt(record['loss'])} | client acc {fmt(record['client_accuracy'])} "
+        f"loss {fmt(record['loss'])} | client acc{pre} {fmt(record['client_accuracy'])} "
         f"| total wire {human_bytes(total, 3)} (fp32/total {fmt(fp32 / total if total else None)}) "
         f"| up codec {human_bytes(record['uplink_codec_bytes'], 3)} "
         f"record {human_bytes(record['uplink_record_bytes'], 3)} "
