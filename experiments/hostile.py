@@ -28,7 +28,7 @@ from experiments.memory import address_space_cap, peak_rss, reset_peak_rss
 from fedcomp.bundle import pack_bundle
 from fedcomp.failures import Failure
 from fedcomp.flower.options import IdentityOptions, ServerOptions
-from fedcomp.flower.reply_format import payloads_of
+from fedcomp.flower.reply_format import metrics_of, payloads_of, replace_metrics
 from fedcomp.flower.strategy import CompressedStrategy
 from fedcomp.handoff_options import Aggregation
 from fedcomp.keys import (
@@ -351,6 +351,16 @@ def residual_liars(pid, reply, instruction):
 
 
 def _metrics(reply: Message, instruction: Message, change) -> Message:
+    """The reply with ``change`` applied to its metrics: a train reply's live in its
+    header (fedcomp.flower.reply_format), an evaluate reply's in its MetricRecord."""
+    header = reply.content.config_records.get(RECORD_HEADER)
+    if header is not None and KEY_PAYLOADS in header:
+        metrics = metrics_of(header)
+        change(metrics)
+        content = RecordDict(dict(reply.content.items()))
+        content[RECORD_HEADER] = ConfigRecord(dict(header))
+        replace_metrics(content, metrics)
+        return Message(content, reply_to=instruction)
     metrics = MetricRecord(dict(reply.content["metrics"]))
     change(metrics)
     return _replace(reply, instruction, metrics=metrics)

@@ -58,8 +58,9 @@ def _model(tensors: int, seed: int = 0) -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize("tensors", [1, 4, 16])
 def test_a_train_reply_through_the_mod_is_four_objects_for_any_tensor_count(tensors) -> None:
-    """Message, RecordDict, header (with every payload) and metrics: the count does not
-    grow with the model, where one Array and one chunk per tensor did (2 per tensor)."""
+    """Message, RecordDict and the header holding every payload and metric: the fewest
+    objects a Flower message can be, whatever the model (protocol 1: a MetricRecord,
+    an ArrayRecord and one Array and one chunk per tensor besides)."""
     model = _model(tensors)
     trained = {k: v + 0.01 for k, v in model.items()}
     config = ConfigRecord(
@@ -85,13 +86,15 @@ def test_a_train_reply_through_the_mod_is_four_objects_for_any_tensor_count(tens
     ctxt = Context(1, 11, {"partition-id": SID, "num-partitions": 8}, RecordDict(), {})
     reply = CompressionMod(TensorPolicy(min_numel=0))(instruction, ctxt, app)
     assert not reply.has_error(), reply.error.reason if reply.has_error() else ""
-    assert _objects(reply) == 4
+    assert _objects(reply) == 3
     header = reply.content[RECORD_HEADER]
     assert len(payloads_of(header, list(model))) == tensors
     assert KEY_CODEC not in header  # the server knows the spec it sent: not echoed back
     # and the server accepts it: the bundle is exactly the model's tensors in order
     checked = check_reply(reply.content, SID, ROUND, list(model))
     assert checked.weight == 10.0 and list(checked.payloads) == list(model)
+    assert checked.metrics[KEY_NUM_EXAMPLES] == 10  # the app's metric, next to fedcomp's
+    assert all(k == KEY_NUM_EXAMPLES or k.startswith("fedcomp.") for k in checked.metrics)
 
 
 @pytest.mark.parametrize("tensors", [1, 4, 16])

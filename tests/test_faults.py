@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, Message, RecordDict
 
 from clients.client_app import make_client_app
 from clients.faults import KINDS, draw_fault
 from experiments.inprocess import InProcessGrid, Spy, initial_arrays
 from fedcomp.failures import RunFailed
 from fedcomp.flower.options import IdentityOptions, ServerOptions
+from fedcomp.flower.reply_format import metrics_of, replace_metrics
 from fedcomp.flower.strategy import CompressedStrategy
 from fedcomp.influence import Influence
-from fedcomp.keys import KEY_NUM_EXAMPLES
+from fedcomp.keys import KEY_NUM_EXAMPLES, KEY_PAYLOADS, RECORD_HEADER
 from fedcomp.settings import settings_from_dict, validate
 from strategies.inner import make_inner_strategy
 from strategies.server_app import client_task
@@ -90,12 +91,12 @@ def test_training_carries_on_and_control_variates_stay_synchronized_under_faults
 
 def test_a_huge_claimed_weight_is_capped_at_a_multiple_of_the_median():
     def claim_huge(pid, reply, instruction):
-        if pid == 2 and "metrics" in reply.content.metric_records:
-            content = RecordDict(dict(reply.content.items()))
-            metrics = MetricRecord(dict(reply.content["metrics"]))
+        header = None if reply.has_error() else reply.content.config_records.get(RECORD_HEADER)
+        if pid == 2 and header is not None and KEY_PAYLOADS in header:  # a train reply
+            metrics = metrics_of(header)
             metrics[KEY_NUM_EXAMPLES] = 1e9
-            content["metrics"] = metrics
-            return Message(content, reply_to=instruction)
+            replace_metrics(reply.content, metrics)
+            return Message(reply.content, reply_to=instruction)
         return reply
 
     spy = Spy()

@@ -15,7 +15,7 @@ from experiments.inprocess import InProcessGrid, Spy, initial_arrays
 from fedcomp.codecs import TensorPolicy
 from fedcomp.flower.families.joint import joint_names
 from fedcomp.flower.options import IdentityOptions, ServerOptions
-from fedcomp.flower.reply_format import payloads_of, replace_payloads
+from fedcomp.flower.reply_format import metrics_of, payloads_of, replace_payloads
 from fedcomp.flower.strategy import CompressedStrategy
 from fedcomp.handoff_options import Aggregation
 from fedcomp.keys import (
@@ -96,7 +96,9 @@ def _library_mean(settings, initial, captured, keep):
             num_clients=n,
             seed=joint_seed(settings.seed, 1, name),
             tau=taus[name],
-            weights=[float(r.content["metrics"]["num-examples"]) for _, r, _ in train],
+            weights=[
+                float(metrics_of(r.content[RECORD_HEADER])["num-examples"]) for _, r, _ in train
+            ],
             side_center=np.zeros(arrays[name].size),
         ).numpy()
     return out, names, arrays

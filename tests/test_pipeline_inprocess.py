@@ -29,7 +29,12 @@ from fedcomp.codecs import decode_bytes, make_codec
 from fedcomp.codecs.wire import HEADER_FIXED_BYTES
 from fedcomp.flower.mod import CompressionMod
 from fedcomp.flower.options import IdentityOptions, ServerOptions
-from fedcomp.flower.reply_format import payloads_of, replace_payloads
+from fedcomp.flower.reply_format import (
+    metrics_of,
+    payloads_of,
+    replace_metrics,
+    replace_payloads,
+)
 from fedcomp.flower.strategy import CompressedStrategy
 from fedcomp.handoff_options import Aggregation
 from fedcomp.keys import (
@@ -135,18 +140,19 @@ def test_recorded_bytes_equal_the_real_messages() -> None:
         payloads = payloads_of(reply.content[RECORD_HEADER])
         codec_bytes = sum(len(p) for p in payloads.values())
         assert rows[sid]["uplink_codec_bytes"] == codec_bytes == fp32_packed
-        assert reply.content["metrics"][METRIC_CODEC_BYTES] == codec_bytes
+        assert metrics_of(reply.content[RECORD_HEADER])[METRIC_CODEC_BYTES] == codec_bytes
         assert rows[sid]["uplink_record_bytes"] == sum(
             r.count_bytes() for r in reply.content.values()
         )
         wire = _wire(reply)
         assert rows[sid]["uplink_wire_bytes"] == wire > codec_bytes
-        # The compact reply: its Message, RecordDict, header and metrics, nothing else.
-        assert len(get_all_nested_objects(reply)) == 4
+        # The compact reply: its Message, RecordDict and header, nothing else.
+        assert len(get_all_nested_objects(reply)) == 3
         # The fp32 reference is the app's own reply as plain Flower sends it: the
         # trained model (same shapes as the initial one, so the same object sizes) and
         # the app's metrics, in this reply's Message.
-        user = {k: v for k, v in reply.content["metrics"].items() if not k.startswith("fedcomp.")}
+        sent = metrics_of(reply.content[RECORD_HEADER])
+        user = {k: v for k, v in sent.items() if not k.startswith("fedcomp.")}
         plain = RecordDict(
             {"arrays": ArrayRecord(model.state_dict()), "metrics": MetricRecord(user)}
         )
@@ -227,7 +233,9 @@ def _wrong_id(reply: Message) -> Message:
 
 def _weight(value: float):
     def tamper(reply: Message) -> Message:
-        reply.content["metrics"][KEY_NUM_EXAMPLES] = value
+        metrics = metrics_of(reply.content[RECORD_HEADER])
+        metrics[KEY_NUM_EXAMPLES] = value
+        replace_metrics(reply.content, metrics)
         return reply
 
     return tamper

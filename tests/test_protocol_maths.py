@@ -28,7 +28,7 @@ from fedcomp.downlink import BroadcastServer, parse_downlink
 from fedcomp.flower.families.joint import joint_names
 from fedcomp.flower.memory_state import load_memory
 from fedcomp.flower.options import IdentityOptions, ServerOptions
-from fedcomp.flower.reply_format import payloads_of
+from fedcomp.flower.reply_format import metrics_of, payloads_of
 from fedcomp.flower.strategy import CompressedStrategy
 from fedcomp.handoff_options import Aggregation
 from fedcomp.keys import (
@@ -155,7 +155,7 @@ def _run(settings: Settings, rounds: int, handoff: str, spy: Spy | None = None):
 
 def _sid_weight(reply: Message) -> tuple[int, float]:
     header = reply.content.config_records[RECORD_HEADER]
-    return int(header[KEY_STABLE_ID]), float(reply.content["metrics"][KEY_NUM_EXAMPLES])
+    return int(header[KEY_STABLE_ID]), float(metrics_of(header)[KEY_NUM_EXAMPLES])
 
 
 # ------------------------------------------------------------------------- residual

@@ -23,6 +23,7 @@ from fedcomp.codecs import TensorPolicy, make_codec
 from fedcomp.codecs.dense import RawCodec
 from fedcomp.codecs.wire import PayloadError, SpecMismatch
 from fedcomp.failures import Failure
+from fedcomp.flower.reply_format import METRIC_PREFIX, replace_metrics
 from fedcomp.flower.validation import (
     ReplyError,
     allowed_codecs,
@@ -41,7 +42,6 @@ from fedcomp.keys import (
     KEY_STABLE_ID,
     PROTOCOL_VERSION,
     RECORD_HEADER,
-    RECORD_METRICS,
 )
 from fedcomp.rng import derive_seed
 
@@ -53,18 +53,17 @@ NAMES = list(PAYLOADS)
 
 def _reply(weight: object = 10.0, drop: str = "", **header: object) -> RecordDict:
     """A train reply of client SID for round ROUND, with one field changed or dropped."""
+    metrics = {} if drop == "metrics" else {KEY_NUM_EXAMPLES: weight, "loss": 0.5}
     fields = {
         KEY_PROTOCOL: PROTOCOL_VERSION,
         KEY_STABLE_ID: SID,
         KEY_ROUND: ROUND,
         KEY_PAYLOADS: pack_bundle(PAYLOADS),
+        **{METRIC_PREFIX + k: v for k, v in metrics.items()},
         **header,
     }
     fields = {k: v for k, v in fields.items() if k != drop}
-    records = {
-        RECORD_HEADER: ConfigRecord(fields),
-        RECORD_METRICS: MetricRecord({KEY_NUM_EXAMPLES: weight, "loss": 0.5}),
-    }
+    records = {RECORD_HEADER: ConfigRecord(fields)}
     return RecordDict({k: v for k, v in records.items() if k != drop})
 
 
@@ -82,7 +81,7 @@ def test_a_well_formed_reply_returns_its_records_and_its_weight_as_a_float() -> 
     content = _reply(weight=12)
     checked = check_reply(content, SID, ROUND, NAMES)
     assert checked.header is content.config_records[RECORD_HEADER]
-    assert checked.metrics is content.metric_records[RECORD_METRICS]
+    assert checked.metrics == MetricRecord({KEY_NUM_EXAMPLES: 12, "loss": 0.5})
     assert {n: bytes(p) for n, p in checked.payloads.items()} == PAYLOADS
     assert list(checked.payloads) == NAMES
     assert checked.weight == 12.0 and isinstance(checked.weight, float)
@@ -106,7 +105,7 @@ def test_a_bundle_other_than_the_models_tensors_in_order_is_a_bad_layout(names) 
         (_reply(**{KEY_PROTOCOL: 99}), Failure.PROTOCOL, f"version 99 != {PROTOCOL_VERSION}"),
         (_reply(**{KEY_STABLE_ID: 99}), Failure.WRONG_CLIENT, f"id 99, node is {SID}"),
         (_reply(**{KEY_ROUND: 99}), Failure.WRONG_ROUND, f"round 99, not {ROUND}"),
-        (_reply(drop=RECORD_METRICS), Failure.BAD_WEIGHT, KEY_NUM_EXAMPLES),
+        (_reply(drop="metrics"), Failure.BAD_WEIGHT, KEY_NUM_EXAMPLES),
         (_reply(drop=KEY_PAYLOADS), Failure.BAD_LAYOUT, "NoneType, not bytes"),
         (_reply(**{KEY_PAYLOADS: b"FB"}), Failure.BAD_LAYOUT, "truncated bundle"),
     ],
@@ -118,7 +117,7 @@ def test_each_header_and_record_check_refuses_with_its_kind(content, kind, needl
 
 def test_metrics_without_the_example_count_are_a_bad_weight() -> None:
     content = _reply()
-    content[RECORD_METRICS] = MetricRecord({"loss": 0.5})
+    replace_metrics(content, {"loss": 0.5})
     _refused(Failure.BAD_WEIGHT, check_reply, content, SID, ROUND, NAMES)
 
 
@@ -140,7 +139,7 @@ def test_a_train_metric_must_be_one_finite_number(bad) -> None:
     message = _refused(Failure.BAD_METRICS, check_train_metrics, MetricRecord({"a": 1.0, "b": bad}))
     assert f"b={bad!r}" in message
     content = _reply()
-    content[RECORD_METRICS] = MetricRecord({KEY_NUM_EXAMPLES: 4.0, "b": bad})
+    replace_metrics(content, {KEY_NUM_EXAMPLES: 4.0, "b": bad})
     _refused(Failure.BAD_METRICS, check_reply, content, SID, ROUND, NAMES)
 
 
@@ -317,3 +316,15 @@ def test_non_finite_decoded_values_are_refused() -> None:
     ints = {"n": np.zeros(3, np.int64)}
     deltas, _ = _decode({"n": RawCodec().encode(torch.tensor([1, 2, 3]))}, ints)
     assert deltas["n"].tolist() == [1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    "bad", [True, "0.5", b"x", ["a"], [True]], ids=["bool", "str", "bytes", "strs", "bools"]
+)
+def test_a_metric_entry_that_is_not_a_number_is_a_bad_metric(bad) -> None:
+    """The metrics travel as header entries (fedcomp.flower.reply_format): anything a
+    MetricRecord cannot hold, or a bool, is refused as that client's bad metrics."""
+    content = _reply()
+    content[RECORD_HEADER][METRIC_PREFIX + "b"] = bad
+    message = _refused(Failure.BAD_METRICS, check_reply, content, SID, ROUND, NAMES)
+    assert "train metrics" in message

@@ -28,7 +28,7 @@ from fedcomp.codecs.wire import (
     check_field,
 )
 from fedcomp.failures import Failure, Rejection
-from fedcomp.flower.reply_format import payloads_of
+from fedcomp.flower.reply_format import metrics_of, payloads_of
 from fedcomp.influence import MAX_NUM_EXAMPLES
 from fedcomp.keys import (
     KEY_NUM_EXAMPLES,
@@ -37,7 +37,6 @@ from fedcomp.keys import (
     KEY_STABLE_ID,
     PROTOCOL_VERSION,
     RECORD_HEADER,
-    RECORD_METRICS,
 )
 from fedcomp.rng import derive_seed
 
@@ -103,8 +102,11 @@ def check_reply(
             f"header is for round {header.get(KEY_ROUND)!r}, not {server_round}",
             Failure.WRONG_ROUND,
         )
-    metrics = content.metric_records.get(RECORD_METRICS)
-    if metrics is None or KEY_NUM_EXAMPLES not in metrics:
+    try:
+        metrics = metrics_of(header)
+    except (TypeError, ValueError) as exc:
+        raise ReplyError(f"train metrics: {exc!s:.200}", Failure.BAD_METRICS) from None
+    if KEY_NUM_EXAMPLES not in metrics:
         raise ReplyError(f"metrics lack '{KEY_NUM_EXAMPLES}'", Failure.BAD_WEIGHT)
     weight = metrics[KEY_NUM_EXAMPLES]
     if isinstance(weight, list) or not math.isfinite(weight) or not 0 < weight <= max_weight:
