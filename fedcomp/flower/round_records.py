@@ -8,7 +8,7 @@ from typing import Any
 from flwr.app import ArrayRecord, MetricRecord, RecordDict
 
 from fedcomp.controlvariates import ControlVariateServer
-from fedcomp.flower.accounting import wire_bytes
+from fedcomp.flower.accounting import object_count, packed_record_objects, wire_bytes
 from fedcomp.keys import (
     METRIC_CODEC_BYTES,
     METRIC_CV_BOUND,
@@ -74,6 +74,12 @@ def account_reply(
             row["uplink_wire_bytes"]
             - payload_only_wire
             + int(metrics[METRIC_FP32_CONTENT_WIRE_BYTES])
+        )
+        # The same for the objects: the payload record's, and an fp32 payload record's
+        # (one raw Array per tensor, as the client measured its bytes).
+        row["payload_objects"] = object_count(RecordDict({RECORD_PAYLOAD: payloads})) - 1
+        row["fp32_payload_objects"] = packed_record_objects(
+            len(payloads), row["fp32_codec_bytes"]
         )
 
 

@@ -136,7 +136,10 @@ class Uplink:
             account_reply(row, item.message.content[RECORD_PAYLOAD], item.metrics, item.weight)
             if "fp32_wire_bytes" in row:  # the reply's fp32 size, measured by the client
                 state.traffic.correct_fp32(
-                    Kind.TRAIN_REPLY, row["uplink_wire_bytes"], row["fp32_wire_bytes"]
+                    Kind.TRAIN_REPLY,
+                    row["uplink_wire_bytes"],
+                    row["fp32_wire_bytes"],
+                    objects=(row["payload_objects"], row["fp32_payload_objects"]),
                 )
             if item.pending is not None:
                 self.half.commit(item.pending)
