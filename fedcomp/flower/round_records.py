@@ -78,9 +78,7 @@ def account_reply(
         # The same for the objects: the payload record's, and an fp32 payload record's
         # (one raw Array per tensor, as the client measured its bytes).
         row["payload_objects"] = object_count(RecordDict({RECORD_PAYLOAD: payloads})) - 1
-        row["fp32_payload_objects"] = packed_record_objects(
-            len(payloads), row["fp32_codec_bytes"]
-        )
+        row["fp32_payload_objects"] = packed_record_objects(len(payloads), row["fp32_codec_bytes"])
 
 
 def mean(values: list[float]) -> float | None:
