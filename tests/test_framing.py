@@ -121,3 +121,132 @@ def test_packed_record_objects_count_a_real_fp32_payload_record() -> None:
     assert packed_record_objects(4, 10, chunk_size=4) == 1 + 4 + 4
     with pytest.raises(ValueError, match="tensors=-1"):
         packed_record_objects(-1, 0)
+
+
+# --- the framing model ----------------------------------------------------------------
+
+
+def _call(rpc: str, up: int, down: int, **extra) -> dict:
+    """One socket-log row: ``up``/``down`` bytes split into a head and a body."""
+    return {
+        "rpc": rpc,
+        "up_head": 800,
+        "up_body": up - 800,
+        "down_head": 100,
+        "down_body": down - 100,
+        "t": 0.0,
+        "conn": 0,
+        **extra,
+    }
+
+
+def _message(n: int) -> dict:
+    return {"id": "m", "type": "train", "group": "1", "reply_to": "", "objects": ["o"] * n}
+
+
+def _hand_made_log() -> list[dict]:
+    """Pull: message call 1000 + 50/object in its tree, object call 900 + content,
+    receipt 950. Push: message call 1200 + 80/object, object call 1000 + content.
+    Plus idle calls, which the call fit leaves out."""
+    rows = []
+    for n in (2, 5):
+        rows.append(_call("PullMessages", 900, 100 + 50 * n, messages=[_message(n)]))
+        rows.append(_call("PushMessages", 1000 + 80 * n, 200, messages=[_message(n)]))
+    for content in (10, 300, 7000):
+        rows.append(_call("PullObject", 890, 110 + content, content=content, object="o"))
+        rows.append(_call("PushObject", 900 + content, 100, content=content, object="o"))
+    rows.append(_call("ConfirmMessageReceived", 850, 100, object="m", content=0))
+    rows.append(_call("PullMessages", 900, 100, messages=[]))  # a poll: idle
+    rows.append(_call("SendNodeHeartbeat", 880, 130))
+    return rows
+
+
+def test_the_fit_recovers_a_hand_made_logs_parameters() -> None:
+    from experiments.framing import PULL, PUSH, call_samples, fit_calls
+
+    samples = call_samples(_hand_made_log())
+    assert len(samples.objects[PULL]) == len(samples.objects[PUSH]) == 3
+    assert samples.confirms == [950]
+    pull, push = fit_calls(samples)
+    # per message: the message call's intercept (+ the receipt when pulled); per object:
+    # the object call's intercept + the tree's growth; per byte: the content's slope.
+    assert pull.per_message == pytest.approx(1000 + 950)
+    assert pull.per_object == pytest.approx(1000 + 50)
+    assert push.per_message == pytest.approx(1200)
+    assert push.per_object == pytest.approx(1000 + 80)
+    assert pull.per_byte == pytest.approx(1.0) and push.per_byte == pytest.approx(1.0)
+    # A message of 3 objects and 500 object bytes, pulled, costs its calls exactly.
+    calls = (1000 + 50 * 3) + 3 * 1000 + 500 + 950
+    assert pull.cost(1, 3, 500) == pytest.approx(calls)
+
+
+def test_a_fit_without_two_different_sizes_says_so() -> None:
+    from experiments.framing import call_samples, fit_calls
+
+    rows = [r for r in _hand_made_log() if r["rpc"] != "PullObject" or r["content"] == 10]
+    with pytest.raises(ValueError, match="pull object calls: 1 call"):
+        fit_calls(call_samples(rows))
+
+
+def test_a_rounds_modelled_bytes_add_its_kinds_and_its_idle_time() -> None:
+    from experiments.framing import Direction, FramingModel, round_socket_bytes, run_socket_bytes
+
+    model = FramingModel(Direction(2000, 1000, 1.0), Direction(1500, 1100, 1.0), 100.0)
+    traffic = {
+        "train_instruction": {
+            "messages": 2,
+            "objects": 8,
+            "wire_bytes": 3000,
+            "fp32_objects": 20,
+            "fp32_wire_bytes": 90000,
+        },
+        "train_reply": {
+            "messages": 2,
+            "objects": 10,
+            "wire_bytes": 5000,
+            "fp32_objects": 20,
+            "fp32_wire_bytes": 90000,
+        },
+    }
+    record = {"round": 1, "traffic": traffic, "round_s": 10.0}
+    pulled = 2 * 2000 + 8 * 1000 + 3000
+    pushed = 2 * 1500 + 10 * 1100 + 5000
+    idle = 100.0 * 3 * 10.0
+    assert round_socket_bytes(model, record, nodes=3) == pytest.approx(pulled + pushed + idle)
+    fp32 = 2 * 2000 + 20 * 1000 + 90000 + 2 * 1500 + 20 * 1100 + 90000 + idle
+    assert round_socket_bytes(model, record, nodes=3, fp32=True) == pytest.approx(fp32)
+    results = {"config": {"num_clients": 3}, "rounds": [record, {**record, "round": 2}]}
+    assert run_socket_bytes(model, results) == {
+        "socket_bytes": round(2 * (pulled + pushed + idle)),
+        "fp32_socket_bytes": round(2 * fp32),
+    }
+    # A file written before objects were counted: the model has nothing to say.
+    old = {k: {f: v for f, v in c.items() if "objects" not in f} for k, c in traffic.items()}
+    assert round_socket_bytes(model, {**record, "traffic": old}, nodes=3) is None
+
+
+def test_kinds_travel_the_way_flower_moves_them() -> None:
+    from experiments.framing import PULL, PUSH, FramingModel, direction_of
+
+    assert direction_of("train_reply") == direction_of("identity_reply") == PUSH
+    assert direction_of("evaluate_instruction") == direction_of("identity_query") == PULL
+    with pytest.raises(ValueError, match="'gossip'"):
+        direction_of("gossip")
+    with pytest.raises(ValueError, match="idle_per_node_second"):
+        FramingModel.from_json(
+            {
+                "pull": {"per_message": 1, "per_object": 1, "per_byte": 1},
+                "push": {"per_message": 1, "per_object": 1, "per_byte": 1},
+            }
+        )
+
+
+def test_the_committed_model_reads_and_has_the_framing_of_http_calls() -> None:
+    """experiments/results/framing_model.json loads, and its parameters are what HTTP
+    calls cost: an object byte is a byte, an object a call with ~1 KB of headers."""
+    from experiments.framing import load_model
+
+    model = load_model()
+    assert 0.99 < model.pull.per_byte < 1.01 and 0.99 < model.push.per_byte < 1.01
+    # Every call carries ~1 KB of HTTP headers: so does every object.
+    assert 900 < model.pull.per_object < 1500 and 900 < model.push.per_object < 1500
