@@ -155,6 +155,17 @@ def run_socket_bytes(model: FramingModel, results: Mapping[str, Any]) -> dict[st
     return out
 
 
+def fp32_reference_fields(
+    results: Mapping[str, Any], model: FramingModel | None = None
+) -> dict[str, Any]:
+    """results.json ``socket``'s fp32 reference: the committed model applied to the
+    run's fp32 reference counts, over the rounds ({}: the rounds have no object counts)."""
+    fp32 = run_socket_bytes(model or load_model(), results)["fp32_socket_bytes"]
+    if fp32 is None:
+        return {}
+    return {"fp32_reference_socket_bytes": fp32, "fp32_reference_method": "model"}
+
+
 def measured_socket_bytes(results: Mapping[str, Any]) -> int | None:
     """A deployment run's measured socket bytes over its rounds (set-up apart)."""
     sock = results.get("socket")

@@ -250,3 +250,92 @@ def test_the_committed_model_reads_and_has_the_framing_of_http_calls() -> None:
     assert 0.99 < model.pull.per_byte < 1.01 and 0.99 < model.push.per_byte < 1.01
     # Every call carries ~1 KB of HTTP headers: so does every object.
     assert 900 < model.pull.per_object < 1500 and 900 < model.push.per_object < 1500
+
+
+# --- results.json: the new fields ----------------------------------------------------
+
+
+def _results_with_socket() -> dict:
+    import copy
+
+    from fedcomp.results_file import build_results
+    from tests.test_data_models import _round
+
+    rnd = copy.deepcopy(_round(1))
+    rnd["traffic"] = {
+        "train_reply": {
+            "messages": 1,
+            "record_bytes": 9,
+            "wire_bytes": 20,
+            "fp32_wire_bytes": 50,
+            "objects": 4,
+            "fp32_objects": 4,
+        }
+    }
+    results = build_results({"seed": 0}, [rnd], wall_s=1.0)
+    results["socket"] = {
+        "counted_nodes": 1,
+        "connections": 1,
+        "opaque_connections": 0,
+        "calls": 3,
+        "total_bytes": 1000,
+        "setup_bytes": 300,
+        "setup_calls": {},
+        "teardown_bytes": 0,
+        "unattributed_bytes": 0,
+        "rounds": [{"round": 1, "socket_bytes": 700, "idle_bytes": 50, "calls": 3, "kinds": {}}],
+        "fp32_reference_socket_bytes": 9000,
+        "fp32_reference_method": "model",
+    }
+    return results
+
+
+@pytest.mark.parametrize(
+    ("mutate", "needle"),
+    [
+        (
+            lambda r: r["socket"].pop("fp32_reference_method"),
+            "fp32_reference_socket_bytes without fp32_reference_method",
+        ),
+        (
+            lambda r: r["socket"].pop("fp32_reference_socket_bytes"),
+            "fp32_reference_method without fp32_reference_socket_bytes",
+        ),
+        (
+            lambda r: r["socket"].update(fp32_reference_socket_bytes=9000.5),
+            r"socket\.fp32_reference_socket_bytes: 9000\.5",
+        ),
+        (lambda r: r["socket"].update(fp32_reference_method="guess"), "'guess'"),
+        (
+            lambda r: r["rounds"][0]["traffic"]["train_reply"].pop("fp32_objects"),
+            r"train_reply: objects without fp32_objects",
+        ),
+        (
+            lambda r: r["rounds"][0]["traffic"]["train_reply"].update(objects="4"),
+            r"traffic\.train_reply\.objects: '4'",
+        ),
+        (
+            lambda r: r["rounds"][0]["traffic"]["train_reply"].pop("wire_bytes"),
+            r"train_reply: missing field\(s\) wire_bytes",
+        ),
+    ],
+)
+def test_the_schema_rejects_a_missing_or_wrong_typed_new_field(mutate, needle: str) -> None:
+    from fedcomp.results_file import ResultsError, validate_results
+
+    results = _results_with_socket()
+    assert validate_results(results)["socket"]["fp32_reference_socket_bytes"] == 9000
+    mutate(results)
+    with pytest.raises(ResultsError, match=needle):
+        validate_results(results)
+
+
+def test_files_without_the_new_fields_still_read() -> None:
+    from fedcomp.results_file import validate_results
+
+    results = _results_with_socket()
+    for key in ("fp32_reference_socket_bytes", "fp32_reference_method"):
+        results["socket"].pop(key)
+    for key in ("objects", "fp32_objects"):
+        results["rounds"][0]["traffic"]["train_reply"].pop(key)
+    assert validate_results(results)["rounds"][0]["traffic"]["train_reply"]["messages"] == 1
