@@ -174,6 +174,64 @@ def measured_socket_bytes(results: Mapping[str, Any]) -> int | None:
     return sum(int(r["socket_bytes"]) for r in sock["rounds"])
 
 
+#: Per-round keys :func:`with_socket_rounds` adds (what the report cumulates).
+SOCKET_MODEL = "socket_model_bytes"
+FP32_SOCKET_MODEL = "fp32_socket_model_bytes"
+SOCKET_MEASURED = "socket_measured_bytes"
+
+
+def with_socket_rounds(run: Mapping[str, Any], model: FramingModel) -> dict[str, Any]:
+    """A copy of ``run`` whose rounds also hold their modelled socket bytes and their
+    fp32 reference's (when the round has object counts) and, on a deployment whose
+    connections were parsed, the measured ones."""
+    nodes = run_nodes(run)
+    sock = run.get("socket") or {}
+    measured = {} if sock.get("opaque_connections", 1) else {r["round"]: r for r in sock["rounds"]}
+    rounds = []
+    for rec in run["rounds"]:
+        extra: dict[str, int] = {}
+        modelled = round_socket_bytes(model, rec, nodes)
+        if modelled is not None:
+            extra[SOCKET_MODEL] = round(modelled)
+            extra[FP32_SOCKET_MODEL] = round(round_socket_bytes(model, rec, nodes, fp32=True) or 0)
+        if rec["round"] in measured:
+            extra[SOCKET_MEASURED] = int(measured[rec["round"]]["socket_bytes"])
+        rounds.append({**rec, **extra})
+    return {**run, "rounds": rounds}
+
+
+def socket_summary(run: Mapping[str, Any], model: FramingModel) -> dict[str, float | None]:
+    """Per run: modelled socket bytes and their ratio vs the modelled fp32 reference;
+    measured socket bytes (deployments) and their ratio vs the same reference (the
+    one written into results.json's socket section when there is one). None: not
+    available (no object counts, or not a counted deployment)."""
+    modelled = run_socket_bytes(model, run)
+    measured = measured_socket_bytes(run)
+    fp32 = (run.get("socket") or {}).get(
+        "fp32_reference_socket_bytes", modelled["fp32_socket_bytes"]
+    )
+
+    def ratio(value: int | None) -> float | None:
+        return fp32 / value if fp32 and value else None
+
+    return {
+        "socket_model": modelled["socket_bytes"],
+        "socket_model_ratio": ratio(modelled["socket_bytes"]),
+        "socket_measured": measured,
+        "socket_measured_ratio": ratio(measured),
+        "fp32_socket_model": fp32,
+    }
+
+
+#: What the report and the leaderboard say about the fp32 reference at the socket.
+FP32_SOCKET_NOTE = (
+    "socket (model): experiments/framing.py's model (experiments/results/framing_model.json) "
+    "on each round's messages, objects, object bytes and duration; socket (measured): the "
+    "deployment's counting proxy, rounds only. fp32 socket bytes: modelled from the run's "
+    "fp32 reference (its object counts and bytes)."
+)
+
+
 # --------------------------------------------------------------------------------
 # fitting on socket logs
 # --------------------------------------------------------------------------------

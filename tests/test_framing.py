@@ -339,3 +339,86 @@ def test_files_without_the_new_fields_still_read() -> None:
     for key in ("objects", "fp32_objects"):
         results["rounds"][0]["traffic"]["train_reply"].pop(key)
     assert validate_results(results)["rounds"][0]["traffic"]["train_reply"]["messages"] == 1
+
+
+# --- the report and the leaderboard ---------------------------------------------------
+
+
+def _hand_run(codec: str, objects: int, wire: int, accuracies: list[float], socket=None) -> dict:
+    """A run of train messages only: ``objects`` and ``wire`` per kind per round, the
+    fp32 reference 10 objects and 1000 B per kind."""
+    rounds = []
+    for i, acc in enumerate(accuracies, 1):
+        traffic = {
+            k: {
+                "messages": 1,
+                "record_bytes": 0,
+                "wire_bytes": wire,
+                "fp32_wire_bytes": 1000,
+                "objects": objects,
+                "fp32_objects": 10,
+            }
+            for k in ("train_instruction", "train_reply")
+        }
+        rounds.append(
+            {
+                "round": i,
+                "accuracy": acc,
+                "traffic": traffic,
+                "round_s": 1.0,
+                "total_wire_bytes": 2 * wire,
+                "uplink_wire_bytes": wire,
+            }
+        )
+    run = {
+        "config": {"num_clients": 1, "codec": {"name": codec}, "downlink": {"name": "fp32"}},
+        "summary": {"final_accuracy": accuracies[-1], "wall_s": 1.0},
+        "rounds": rounds,
+    }
+    if socket is not None:
+        run["socket"] = {
+            "counted_nodes": 1,
+            "opaque_connections": 0,
+            "rounds": [{"round": i + 1, "socket_bytes": b} for i, b in enumerate(socket)],
+        }
+    return run
+
+
+def test_the_leaderboard_ranks_socket_bytes_to_target_modelled_and_measured(monkeypatch) -> None:
+    import experiments.leaderboard as lb
+    from experiments.framing import Direction, FramingModel
+
+    # 100 B per message, 10 per object, 1 per byte, 5 per node-second: a round's socket
+    # bytes are 2 * (100 + 10 * objects + wire) + 5.
+    model = FramingModel(Direction(100, 10, 1.0), Direction(100, 10, 1.0), 5.0)
+    monkeypatch.setattr(lb, "load_model", lambda: model)
+    fedavg = _hand_run("fp32", 10, 1000, [0.5, 0.9], socket=[2500, 2600])
+    small = _hand_run("uniform", 3, 50, [0.5, 0.7, 0.95])  # a simulation: nothing measured
+    entries = {e["recipe"]: e for e in lb.rank_recipes([fedavg, small])}
+    per_round = {"fp32": 2 * (100 + 100 + 1000) + 5, "uniform": 2 * (100 + 30 + 50) + 5}
+    ref = 2 * per_round["fp32"]  # FedAvg reaches 0.89 in round 2
+    mine = 3 * per_round["uniform"]  # the compressed recipe in round 3
+    e = entries["up uniform / down fp32"]
+    assert e["socket_model_to_target"] == mine
+    assert e["socket_model_ratio"] == pytest.approx(ref / mine)
+    assert e["socket_measured_to_target"] is None and e["socket_measured_ratio"] is None
+    f = entries["up fp32 / down fp32"]
+    assert f["socket_measured_to_target"] == 2500 + 2600 and f["socket_measured_ratio"] == 1.0
+    text = lb.leaderboard([fedavg, small])
+    assert "socket (model) MB to target" in text and "modelled from the run's fp32" in text
+
+
+def test_the_report_shows_socket_bytes_modelled_and_measured_with_their_fp32_ratios() -> None:
+    from experiments.framing import Direction, FramingModel, socket_summary
+
+    model = FramingModel(Direction(100, 10, 1.0), Direction(100, 10, 1.0), 5.0)
+    run = _hand_run("uniform", 3, 50, [0.5, 0.7], socket=[400, 420])
+    s = socket_summary(run, model)
+    fp32_round = 2 * (100 + 10 * 10 + 1000) + 5  # the fp32 reference's counts
+    assert s["socket_model"] == 2 * (2 * (100 + 30 + 50) + 5)
+    assert s["socket_measured"] == 820
+    assert s["socket_model_ratio"] == pytest.approx(2 * fp32_round / s["socket_model"])
+    assert s["socket_measured_ratio"] == pytest.approx(2 * fp32_round / 820)
+    # A deployment's written reference is the one its measured ratio refers to.
+    run["socket"]["fp32_reference_socket_bytes"] = 8200
+    assert socket_summary(run, model)["socket_measured_ratio"] == pytest.approx(10.0)
