@@ -156,6 +156,34 @@ def test_rounds_take_their_messages_and_idle_calls_and_the_run_its_constants() -
     assert r1["calls"] + r2["calls"] + 4 == len(rows)
 
 
+def test_the_framing_fit_sees_exactly_the_calls_a_round_gives_its_messages() -> None:
+    """experiments/framing.py fits on message calls, object calls and receipts; the
+    idle calls it leaves out are the rounds' idle bytes: together they are the rounds'
+    socket bytes, so the model's terms cover each call of a round once."""
+    from experiments.framing import PULL, PUSH, call_samples
+
+    rows = [
+        _call(
+            1.0, "PullMessages", (10, 5, 10, 50), messages=[_msg("m1", "train", "1", ["m1", "a"])]
+        ),
+        _call(1.1, "PullObject", (10, 64, 10, 300), object="a", content=200),
+        _call(1.3, "ConfirmMessageReceived", (10, 70, 10, 0), object="m1", content=0),
+        _call(1.5, "SendNodeHeartbeat", (10, 8, 10, 2)),
+        _call(2.0, "PushMessages", (10, 60, 10, 5), messages=[_msg("r1", "train", "1", ["c"])]),
+        _call(2.1, "PushObject", (10, 500, 10, 1), object="c", content=420),
+        _call(2.5, "PullMessages", (10, 5, 10, 0)),
+    ]
+    r1 = summarise_socket(rows)["rounds"][1]
+    samples = call_samples(rows)
+    fitted = (
+        sum(b for _, b in samples.objects[PULL] + samples.objects[PUSH])
+        + sum(b for _, b in samples.messages[PULL] + samples.messages[PUSH])
+        + sum(samples.confirms)
+    )
+    assert fitted + r1["idle"] == r1["total"]
+    assert samples.objects[PULL] == [(200, 384)] and samples.confirms == [90]
+
+
 def test_a_call_moving_several_messages_splits_its_bytes_exactly() -> None:
     msgs = [_msg(f"m{i}", "evaluate", "3", [f"o{i}"]) for i in range(3)]
     out = summarise_socket([_call(1.0, "PullMessages", (1, 3, 1, 6), messages=msgs)])
