@@ -251,3 +251,22 @@ def test_the_proxy_counts_every_byte_both_ways_and_logs_each_call(tmp_path: Path
     assert section["total_bytes"] == section["setup_bytes"] == sent + received
     assert section["unattributed_bytes"] == 0
     assert json.loads(log.read_text().splitlines()[0])["path"] == "/v1/fleet/unknown"
+
+
+def test_a_request_cut_off_by_the_end_of_the_run_is_counted_unparsed(tmp_path: Path) -> None:
+    """A poll the SuperLink never answered (it stopped first) is no call, but its
+    bytes crossed: they are the connection's unparsed bytes, and the totals close."""
+    from experiments.deployment.socket_count import SocketCounter
+
+    counter = SocketCounter(tmp_path / "socket.jsonl")
+    conn = counter.open()
+    answered, cut = _request("/v1/fleet/x", b"ab"), _request("/v1/fleet/x", b"cde")
+    counter.count(conn, answered, upward=True)
+    reply = b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\n\r\nz"
+    counter.count(conn, reply, upward=False)
+    counter.count(conn, cut, upward=True)
+    counter.close()
+    rows, conns = read_socket_log(tmp_path / "socket.jsonl")
+    assert len(rows) == 1 and conns[0]["unanswered"] == 1
+    assert conns[0]["unparsed_up"] == len(cut)
+    assert check_totals(rows, conns) == len(answered) + len(reply) + len(cut)
