@@ -344,14 +344,17 @@ def check_run(model: FramingModel, results: Mapping[str, Any]) -> list[dict[str,
     for rec, sock in zip(results["rounds"], results["socket"]["rounds"], strict=True):
         modelled = round_socket_bytes(model, rec, nodes)
         measured = int(sock["socket_bytes"])
+        idle = model.idle_per_node_second * nodes * float(rec["round_s"])
+        moved = measured - int(sock["idle_bytes"])  # the calls that moved messages
         out.append(
             {
                 "round": rec["round"],
                 "measured": measured,
                 "modelled": None if modelled is None else round(modelled),
                 "residual": None if modelled is None else modelled / measured - 1.0,
+                "messages_residual": None if modelled is None else (modelled - idle) / moved - 1,
                 "idle_measured": int(sock["idle_bytes"]),
-                "idle_modelled": round(model.idle_per_node_second * nodes * float(rec["round_s"])),
+                "idle_modelled": round(idle),
             }
         )
     return out
@@ -377,25 +380,30 @@ def _recipe(config: Mapping[str, Any]) -> str:
 def check_table(model: FramingModel, run_dirs: Sequence[Path]) -> list[str]:
     """Markdown rows: each run's rounds, measured vs modelled, and the run's total."""
     lines = [
-        "| run | codec | round | measured B | modelled B | residual | idle measured B "
-        "| idle modelled B |",
-        "|---|---|---|---|---|---|---|---|",
+        "| run | codec | round | measured B | modelled B | residual | residual without "
+        "idle | idle measured B | idle modelled B |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for run_dir in run_dirs:
         results, _ = _run_files(run_dir)
         recipe = _recipe(results["config"])
         rows = check_run(model, results)
         for r in rows:
-            res = "n/a" if r["residual"] is None else f"{r['residual']:+.1%}"
+            res, moved = (
+                "n/a" if r[k] is None else f"{r[k]:+.2%}" for k in ("residual", "messages_residual")
+            )
             modelled = "n/a" if r["modelled"] is None else f"{r['modelled']:,}"
             lines.append(
                 f"| {run_dir.name} | {recipe} | {r['round']} | {r['measured']:,} | {modelled} "
-                f"| {res} | {r['idle_measured']:,} | {r['idle_modelled']:,} |"
+                f"| {res} | {moved} | {r['idle_measured']:,} | {r['idle_modelled']:,} |"
             )
         if all(r["modelled"] is not None for r in rows):
             m, p = sum(r["measured"] for r in rows), sum(r["modelled"] for r in rows)
+            idle_m = sum(r["idle_measured"] for r in rows)
+            idle_p = sum(r["idle_modelled"] for r in rows)
             lines.append(
-                f"| {run_dir.name} | {recipe} | all | {m:,} | {p:,} | {p / m - 1:+.1%} | | |"
+                f"| {run_dir.name} | {recipe} | all | {m:,} | {p:,} | {p / m - 1:+.2%} "
+                f"| {(p - idle_p) / (m - idle_m) - 1:+.2%} | {idle_m:,} | {idle_p:,} |"
             )
     return lines
 
