@@ -15,7 +15,7 @@ So a round's socket bytes are, per direction d (pull, push)::
 
     sum over kinds of  messages * per_message[d] + objects * per_object[d]
                        + object_bytes * per_byte[d]
-    + idle_per_node_second * nodes * round_s
+    + idle_per_node_round * nodes
 
 ``per_message`` is the message call (and the receipt of a pulled one), ``per_object``
 one object call plus the object's entry in the message's tree, ``per_byte`` the
@@ -68,8 +68,11 @@ class FramingModel:
 
     pull: Direction
     push: Direction
-    #: Polls and heartbeats of one SuperNode per second of a round.
-    idle_per_node_second: float
+    #: Polls and heartbeats of one SuperNode per round. A SuperNode polls (every 3 s)
+    #: only while it waits for a message, not while its ClientApp runs, so its idle
+    #: bytes follow the round's waiting time, which the counts do not hold: a mean
+    #: per round of the fitted runs (27-37 s rounds), not a rate per second.
+    idle_per_node_round: float
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -82,7 +85,7 @@ class FramingModel:
             pull, push = (
                 Direction(**{k: float(v) for k, v in obj[d].items()}) for d in (PULL, PUSH)
             )
-            return cls(pull, push, float(obj["idle_per_node_second"]))
+            return cls(pull, push, float(obj["idle_per_node_round"]))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"framing model {dict(obj)!r}: {type(exc).__name__}: {exc}") from exc
 
@@ -129,11 +132,11 @@ def round_socket_bytes(
     model: FramingModel, record: Mapping[str, Any], nodes: int, *, fp32: bool = False
 ) -> float | None:
     """A results.json round's modelled socket bytes: its messages plus ``nodes``
-    SuperNodes idling for the round's ``round_s`` (None: no object counts)."""
+    SuperNodes' idle calls (None: no object counts)."""
     moved = traffic_socket_bytes(model, record.get("traffic") or {}, fp32=fp32)
     if moved is None or not record.get("traffic"):
         return None
-    return moved + model.idle_per_node_second * nodes * float(record["round_s"])
+    return moved + model.idle_per_node_round * nodes
 
 
 def run_nodes(results: Mapping[str, Any]) -> int:
@@ -226,9 +229,9 @@ def socket_summary(run: Mapping[str, Any], model: FramingModel) -> dict[str, flo
 #: What the report and the leaderboard say about the fp32 reference at the socket.
 FP32_SOCKET_NOTE = (
     "socket (model): experiments/framing.py's model (experiments/results/framing_model.json) "
-    "on each round's messages, objects, object bytes and duration; socket (measured): the "
-    "deployment's counting proxy, rounds only. fp32 socket bytes: modelled from the run's "
-    "fp32 reference (its object counts and bytes)."
+    "on each round's messages, objects and object bytes, and its SuperNodes' idle calls; "
+    "socket (measured): the deployment's counting proxy, rounds only. fp32 socket bytes: "
+    "modelled from the run's fp32 reference (its object counts and bytes)."
 )
 
 
@@ -299,13 +302,13 @@ def fit_calls(samples: CallSamples) -> tuple[Direction, Direction]:
     return dirs[0], dirs[1]
 
 
-def idle_rate(rounds: Iterable[tuple[int, int, float]]) -> float:
-    """Idle bytes per SuperNode per second over ``(idle bytes, nodes, round_s)`` rounds."""
+def idle_rate(rounds: Iterable[tuple[int, int]]) -> float:
+    """Idle bytes per SuperNode per round over ``(idle bytes, nodes)`` rounds."""
     rounds = list(rounds)
-    node_seconds = sum(n * s for _, n, s in rounds)
-    if node_seconds <= 0:
-        raise ValueError(f"idle rounds {rounds}: no node-seconds to divide the idle bytes by")
-    return sum(b for b, _, _ in rounds) / node_seconds
+    node_rounds = sum(n for _, n in rounds)
+    if node_rounds <= 0:
+        raise ValueError(f"idle rounds {rounds}: no node-rounds to divide the idle bytes by")
+    return sum(b for b, _ in rounds) / node_rounds
 
 
 def _run_files(run_dir: Path) -> tuple[dict[str, Any], Path]:
@@ -320,13 +323,12 @@ def _run_files(run_dir: Path) -> tuple[dict[str, Any], Path]:
 def fit(run_dirs: Sequence[Path]) -> FramingModel:
     """The model fitted on deployment runs (their socket logs and results.json)."""
     rows: list[dict[str, Any]] = []
-    idle: list[tuple[int, int, float]] = []
+    idle: list[tuple[int, int]] = []
     for run_dir in run_dirs:
         results, log = _run_files(run_dir)
         rows += read_socket_log(log)[0]
         nodes = results["socket"]["counted_nodes"]
-        for rec, sock in zip(results["rounds"], results["socket"]["rounds"], strict=True):
-            idle.append((sock["idle_bytes"], nodes, float(rec["round_s"])))
+        idle += [(sock["idle_bytes"], nodes) for sock in results["socket"]["rounds"]]
     pull, push = fit_calls(call_samples(rows))
     return FramingModel(pull, push, idle_rate(idle))
 
@@ -344,7 +346,7 @@ def check_run(model: FramingModel, results: Mapping[str, Any]) -> list[dict[str,
     for rec, sock in zip(results["rounds"], results["socket"]["rounds"], strict=True):
         modelled = round_socket_bytes(model, rec, nodes)
         measured = int(sock["socket_bytes"])
-        idle = model.idle_per_node_second * nodes * float(rec["round_s"])
+        idle = model.idle_per_node_round * nodes
         moved = measured - int(sock["idle_bytes"])  # the calls that moved messages
         out.append(
             {
@@ -368,7 +370,7 @@ def _fmt_model(model: FramingModel) -> list[str]:
     for name in (PULL, PUSH):
         d = getattr(model, name)
         lines.append(f"| {name} | {d.per_message:,.1f} | {d.per_object:,.1f} | {d.per_byte:.4f} |")
-    lines.append(f"\nidle: {model.idle_per_node_second:,.1f} B per SuperNode per second of a round")
+    lines.append(f"\nidle: {model.idle_per_node_round:,.1f} B per SuperNode per round")
     return lines
 
 

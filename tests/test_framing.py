@@ -211,7 +211,7 @@ def test_a_rounds_modelled_bytes_add_its_kinds_and_its_idle_time() -> None:
     record = {"round": 1, "traffic": traffic, "round_s": 10.0}
     pulled = 2 * 2000 + 8 * 1000 + 3000
     pushed = 2 * 1500 + 10 * 1100 + 5000
-    idle = 100.0 * 3 * 10.0
+    idle = 100.0 * 3
     assert round_socket_bytes(model, record, nodes=3) == pytest.approx(pulled + pushed + idle)
     fp32 = 2 * 2000 + 20 * 1000 + 90000 + 2 * 1500 + 20 * 1100 + 90000 + idle
     assert round_socket_bytes(model, record, nodes=3, fp32=True) == pytest.approx(fp32)
@@ -232,7 +232,7 @@ def test_kinds_travel_the_way_flower_moves_them() -> None:
     assert direction_of("evaluate_instruction") == direction_of("identity_query") == PULL
     with pytest.raises(ValueError, match="'gossip'"):
         direction_of("gossip")
-    with pytest.raises(ValueError, match="idle_per_node_second"):
+    with pytest.raises(ValueError, match="idle_per_node_round"):
         FramingModel.from_json(
             {
                 "pull": {"per_message": 1, "per_object": 1, "per_byte": 1},
@@ -388,7 +388,7 @@ def test_the_leaderboard_ranks_socket_bytes_to_target_modelled_and_measured(monk
     import experiments.leaderboard as lb
     from experiments.framing import Direction, FramingModel
 
-    # 100 B per message, 10 per object, 1 per byte, 5 per node-second: a round's socket
+    # 100 B per message, 10 per object, 1 per byte, 5 per node and round: a round's socket
     # bytes are 2 * (100 + 10 * objects + wire) + 5.
     model = FramingModel(Direction(100, 10, 1.0), Direction(100, 10, 1.0), 5.0)
     monkeypatch.setattr(lb, "load_model", lambda: model)
