@@ -375,8 +375,11 @@ def _fmt_model(model: FramingModel) -> list[str]:
 
 
 def _recipe(config: Mapping[str, Any]) -> str:
-    """The run's recipe name when the config kept it, else its codec's."""
-    return str(config.get("recipe") or config.get("codec", {}).get("name"))
+    """The run's recipe name when the config kept it, else its codec's (with its inner
+    codec, e.g. ``ef(topk)``)."""
+    codec = config.get("codec", {})
+    inner = f"({codec['inner']})" if "inner" in codec else ""
+    return str(config.get("recipe") or f"{codec.get('name')}{inner}")
 
 
 def check_table(model: FramingModel, run_dirs: Sequence[Path]) -> list[str]:
