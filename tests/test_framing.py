@@ -422,3 +422,33 @@ def test_the_report_shows_socket_bytes_modelled_and_measured_with_their_fp32_rat
     # A deployment's written reference is the one its measured ratio refers to.
     run["socket"]["fp32_reference_socket_bytes"] = 8200
     assert socket_summary(run, model)["socket_measured_ratio"] == pytest.approx(10.0)
+
+
+def test_a_decoded_replys_fp32_objects_replace_its_payload_records() -> None:
+    """The server's correction of a train reply's fp32 objects: its payload record's
+    objects out, those of the fp32 payloads' record in (here 16 MiB over 2 tensors:
+    at least 4 chunks of 5 MiB, against 1 chunk per tensor sent)."""
+    from fedcomp.flower.encoding import _packed
+    from fedcomp.flower.round_records import account_reply, empty_client_row
+    from fedcomp.keys import METRIC_FP32_CODEC_BYTES, METRIC_FP32_CONTENT_WIRE_BYTES
+    from fedcomp.traffic import Kind, Traffic
+
+    payloads = ArrayRecord({"a": _packed(b"x" * 10), "b": _packed(b"y" * 20)})
+    fp32_bytes = 16 * 2**20
+    row = {**empty_client_row(0), "uplink_wire_bytes": 500}
+    metrics = MetricRecord({METRIC_FP32_CODEC_BYTES: fp32_bytes, METRIC_FP32_CONTENT_WIRE_BYTES: 9})
+    account_reply(row, payloads, metrics, weight=1.0)
+    assert row["payload_objects"] == len(get_all_nested_objects(payloads)) == 5
+    chunks = math.ceil(fp32_bytes / FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE)
+    assert row["fp32_payload_objects"] == 1 + 2 + chunks == 7
+    traffic = Traffic()
+    traffic.add(Kind.TRAIN_REPLY, record_bytes=0, wire_bytes=500, objects=9)
+    traffic.correct_fp32(
+        Kind.TRAIN_REPLY,
+        500,
+        row["fp32_wire_bytes"],
+        objects=(row["payload_objects"], row["fp32_payload_objects"]),
+    )
+    counts = traffic.by_kind[str(Kind.TRAIN_REPLY)]
+    assert (counts.objects, counts.fp32_objects) == (9, 9 - 5 + 7)
+    assert traffic.objects() == 9 and traffic.objects(fp32=True) == 11
