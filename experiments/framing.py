@@ -427,8 +427,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.command == "fit":
         model = fit(args.runs)
+        from flwr import __version__ as flwr_version
+
         record = {
             "model": model.to_json(),
+            "flwr": flwr_version,
             "fitted_on": [p.name for p in args.runs],
             "command": "python -m experiments.framing fit " + " ".join(p.name for p in args.runs),
         }
