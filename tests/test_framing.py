@@ -116,9 +116,11 @@ def test_packed_record_objects_count_a_real_fp32_payload_record() -> None:
     # The RecordDict itself aside: the record, its Arrays and their chunks.
     expected = len(get_all_nested_objects(content)) - 1
     assert packed_record_objects(3, sum(len(b) for b in payloads.values())) == expected == 7
-    # Above a chunk: at least one chunk per tensor and per chunk_size bytes.
-    assert packed_record_objects(2, 10, chunk_size=4) == 1 + 2 + 3
+    # Above a chunk: the bytes spread evenly (5 + 5 B: 2 chunks of 4 B each; 3 + 3 + 2
+    # + 2 B: one each).
+    assert packed_record_objects(2, 10, chunk_size=4) == 1 + 2 + 4
     assert packed_record_objects(4, 10, chunk_size=4) == 1 + 4 + 4
+    assert packed_record_objects(0, 0) == 1
     with pytest.raises(ValueError, match="tensors=-1"):
         packed_record_objects(-1, 0)
 

@@ -73,15 +73,14 @@ def packed_record_objects(
 ) -> int:
     """Objects of an ArrayRecord of ``tensors`` raw payloads totalling ``total_bytes``
     (the fp32 reference of a reply's payload record, whose per-tensor sizes the server
-    does not see): exact when the payloads fit one chunk each, i.e. whenever
-    ``total_bytes <= chunk_size``; above that the chunks are counted as if the bytes
-    were spread evenly (at most one object off per ``chunk_size`` bytes, each object
-    costing ~1 KB at the socket: under 0.03% of the bytes)."""
+    does not see), counted as if the bytes were spread evenly over the tensors: exact
+    whenever ``total_bytes <= chunk_size`` (every payload is one chunk); above that at
+    most one object off per ``chunk_size`` bytes (each object ~1 KB at the socket:
+    under 0.03% of the bytes)."""
     if tensors < 0 or total_bytes < 0:
         raise ValueError(f"tensors={tensors}, total_bytes={total_bytes}: must be >= 0")
-    if total_bytes <= chunk_size:
-        return 1 + 2 * tensors
-    return 1 + tensors + max(tensors, math.ceil(total_bytes / chunk_size))
+    share, rest = divmod(total_bytes, tensors) if tensors else (0, 0)
+    return array_record_objects([share + (i < rest) for i in range(tensors)], chunk_size)
 
 
 def measure_and_record(
