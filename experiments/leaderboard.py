@@ -10,6 +10,8 @@ measured per-round counts: ``total_wire_bytes`` (every message of the round, bot
 directions, evaluation included) and ``uplink_wire_bytes`` (train replies). A recipe
 is ranked by how many seeds reach the target, then by its median total bytes over
 them; its ratio is FedAvg's median bytes to the same target divided by its own.
+The same for the socket bytes (``experiments/framing.py``): modelled for every run
+from its messages, objects and object bytes, measured for deployment runs.
 """
 
 from __future__ import annotations
@@ -21,6 +23,13 @@ from typing import Any
 
 import numpy as np
 
+from experiments.framing import (
+    FP32_SOCKET_NOTE,
+    SOCKET_MEASURED,
+    SOCKET_MODEL,
+    load_model,
+    with_socket_rounds,
+)
 from experiments.report import (
     _is_fedavg,
     accuracy_plot,
@@ -30,6 +39,8 @@ from experiments.report import (
 )
 
 TOTAL, UPLINK = "total_wire_bytes", "uplink_wire_bytes"
+#: Every per-round count a recipe is ranked or compared by.
+KEYS = (TOTAL, UPLINK, SOCKET_MODEL, SOCKET_MEASURED)
 
 
 #: Downlink keys left out of a recipe's name when they have their usual values.
@@ -61,6 +72,8 @@ def rank_recipes(runs: Sequence[dict[str, Any]], tolerance: float = 0.01) -> lis
         Without FedAvg runs (the reference) or with settings other than the recipe
         that differ between runs (one leaderboard compares recipes in one setting).
     """
+    model = load_model()
+    runs = [with_socket_rounds(r, model) for r in runs]
     keys, groups = group_runs(runs)
     others = [k for k in keys if not k.startswith(("codec.", "downlink."))]
     if others:
@@ -71,13 +84,13 @@ def rank_recipes(runs: Sequence[dict[str, Any]], tolerance: float = 0.01) -> lis
     target = float(np.mean([r["summary"]["final_accuracy"] for r in fedavg])) - tolerance
     reference = {
         key: _median([b for r in fedavg if (b := bytes_to_reach(r, target, key)) is not None])
-        for key in (TOTAL, UPLINK)
+        for key in KEYS
     }
     entries = []
     for members in groups.values():
         spent = {
             key: [b for m in members if (b := bytes_to_reach(m, target, key)) is not None]
-            for key in (TOTAL, UPLINK)
+            for key in KEYS
         }
         finals = [m["summary"]["final_accuracy"] for m in members]
         total = _median(spent[TOTAL])
@@ -94,6 +107,7 @@ def rank_recipes(runs: Sequence[dict[str, Any]], tolerance: float = 0.01) -> lis
                 "uplink_ratio": reference[UPLINK] / uplink
                 if uplink and reference[UPLINK]
                 else None,
+                **_socket_entry(spent, reference),
                 "final_mean": float(np.mean(finals)),
                 "final_ci": t_half_width(finals),
                 "wall_s": float(np.mean([m["summary"]["wall_s"] for m in members])),
@@ -103,6 +117,18 @@ def rank_recipes(runs: Sequence[dict[str, Any]], tolerance: float = 0.01) -> lis
         )
     entries.sort(key=lambda e: (-e["reached"] / e["seeds"], e["total_to_target"] or math.inf))
     return entries
+
+
+def _socket_entry(
+    spent: dict[str, list[int]], reference: dict[str, float | None]
+) -> dict[str, float | None]:
+    """Median socket bytes to target, modelled and measured, and FedAvg's over them."""
+    out: dict[str, float | None] = {}
+    for key, name in ((SOCKET_MODEL, "socket_model"), (SOCKET_MEASURED, "socket_measured")):
+        mine, ref = _median(spent[key]), reference[key]
+        out[f"{name}_to_target"] = mine
+        out[f"{name}_ratio"] = ref / mine if mine and ref else None
+    return out
 
 
 def _mb(value: float | None) -> str:
@@ -124,9 +150,10 @@ def leaderboard(runs: Sequence[dict[str, Any]], tolerance: float = 0.01) -> str:
         "recipe's.",
         "",
         "| rank | recipe | seeds reaching | total MB to target | x fewer total bytes than "
-        "FedAvg | uplink MB to target | x fewer uplink bytes | final accuracy (95% CI) "
-        "| wall s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "FedAvg | uplink MB to target | x fewer uplink bytes | socket (model) MB to target "
+        "| x fewer socket (model) | socket (measured) MB to target | x fewer socket "
+        "(measured) | final accuracy (95% CI) | wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for rank, e in enumerate(entries, 1):
         ci = f" +- {e['final_ci']:.4f}" if e["final_ci"] is not None else ""
@@ -134,6 +161,8 @@ def leaderboard(runs: Sequence[dict[str, Any]], tolerance: float = 0.01) -> str:
         lines.append(
             f"| {rank} | {name} | {e['reached']}/{e['seeds']} | {_mb(e['total_to_target'])} "
             f"| {_x(e['total_ratio'])} | {_mb(e['uplink_to_target'])} | {_x(e['uplink_ratio'])} "
+            f"| {_mb(e['socket_model_to_target'])} | {_x(e['socket_model_ratio'])} "
+            f"| {_mb(e['socket_measured_to_target'])} | {_x(e['socket_measured_ratio'])} "
             f"| {e['final_mean']:.4f}{ci} | {e['wall_s']:.1f} |"
         )
     every_seed = [e for e in entries if e["reached"] == e["seeds"] and not e["fedavg"]]
@@ -151,6 +180,7 @@ def leaderboard(runs: Sequence[dict[str, Any]], tolerance: float = 0.01) -> str:
         ]
     else:
         lines += ["", "No compressed recipe reached the target in every seed."]
+    lines += ["", FP32_SOCKET_NOTE]
     return "\n".join(lines) + "\n"
 
 

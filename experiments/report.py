@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from experiments.framing import FP32_SOCKET_NOTE, load_model, socket_summary
 from fedcomp.results_file import load_results
 from fedcomp.settings import Settings, flatten, settings_to_dict
 
@@ -81,13 +82,16 @@ def table_rows(results: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[
         "uplink_codec_bytes",
         "uplink_wire_bytes",
         "ratio_vs_fp32_wire",
+        *SOCKET_COLUMNS,
         "wall_s",
     ]
+    model = load_model()
     rows = []
     for r in results:
         flat = flatten(r["config"])
         s = r["summary"]
         codec_bytes = sum(rnd["uplink_codec_bytes"] for rnd in r["rounds"])
+        sock = socket_summary(r, model)
         rows.append(
             [
                 *(flat.get(k) for k in keys),
@@ -98,10 +102,20 @@ def table_rows(results: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[
                 codec_bytes,
                 s["uplink_wire_bytes_total"],
                 s["ratio_vs_fp32_wire"],
+                *(sock[k] for k in SOCKET_COLUMNS.values()),
                 s["wall_s"],
             ]
         )
     return header, rows
+
+
+#: The socket columns of the run table (experiments/framing.py): header -> summary key.
+SOCKET_COLUMNS = {
+    "socket (model)": "socket_model",
+    "socket (model) ratio vs fp32": "socket_model_ratio",
+    "socket (measured)": "socket_measured",
+    "socket (measured) ratio vs fp32": "socket_measured_ratio",
+}
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -114,7 +128,7 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 def report(root: Path) -> str:
     """The markdown report for every run under ``root``."""
     header, rows = table_rows(load_all(root))
-    return markdown_table(header, rows)
+    return markdown_table(header, rows) + "\n" + FP32_SOCKET_NOTE + "\n"
 
 
 def load_all(root: Path) -> list[dict[str, Any]]:

@@ -221,8 +221,48 @@ SOCKET_ROUND_FIELDS: dict[str, tuple[type, ...]] = {
 }
 
 
+#: The fp32 reference at the socket (a deployment runs only its own recipe, so the
+#: reference is modelled: experiments/framing.py on the run's fp32 reference counts).
+#: Optional, but both or neither.
+SOCKET_REFERENCE_FIELDS: dict[str, tuple[type, ...]] = {
+    "fp32_reference_socket_bytes": (int,),
+    "fp32_reference_method": (str,),
+}
+#: How ``fp32_reference_socket_bytes`` was obtained.
+SOCKET_REFERENCE_METHODS = ("model",)
+
+#: A round's ``traffic`` entry per message kind; the object counts were added later
+#: (both or neither).
+TRAFFIC_FIELDS: dict[str, tuple[type, ...]] = {
+    "messages": (int,),
+    "record_bytes": (int,),
+    "wire_bytes": (int,),
+    "fp32_wire_bytes": (int,),
+}
+TRAFFIC_OBJECT_FIELDS: dict[str, tuple[type, ...]] = {"objects": (int,), "fp32_objects": (int,)}
+
+
+def _both_or_neither(obj: Mapping[str, Any], fields: Mapping[str, Any], where: str) -> None:
+    present = [k for k in fields if k in obj]
+    if present and len(present) != len(fields):
+        missing = [k for k in fields if k not in obj]
+        raise ResultsError(f"{where}: {', '.join(present)} without {', '.join(missing)}")
+
+
+def _check_traffic(traffic: Mapping[str, Any], where: str) -> None:
+    for kind, counts in traffic.items():
+        _check_fields(counts, TRAFFIC_FIELDS, f"{where}.{kind}", TRAFFIC_OBJECT_FIELDS)
+        _both_or_neither(counts, TRAFFIC_OBJECT_FIELDS, f"{where}.{kind}")
+
+
 def _check_socket(sock: Any) -> None:
-    _check_fields(sock, SOCKET_FIELDS, "socket")
+    _check_fields(sock, SOCKET_FIELDS, "socket", SOCKET_REFERENCE_FIELDS)
+    _both_or_neither(sock, SOCKET_REFERENCE_FIELDS, "socket")
+    method = sock.get("fp32_reference_method", SOCKET_REFERENCE_METHODS[0])
+    if method not in SOCKET_REFERENCE_METHODS:
+        raise ResultsError(
+            f"socket.fp32_reference_method: {method!r}, expected one of {SOCKET_REFERENCE_METHODS}"
+        )
     for i, rnd in enumerate(sock["rounds"]):
         _check_fields(rnd, SOCKET_ROUND_FIELDS, f"socket.rounds[{i}]")
     parts = sock["setup_bytes"] + sock["teardown_bytes"] + sock["unattributed_bytes"]
@@ -260,6 +300,8 @@ def validate_results(obj: Any) -> dict[str, Any]:
             )
         for j, client in enumerate(rnd["per_client"]):
             _check_fields(client, CLIENT_FIELDS, f"rounds[{i}].per_client[{j}]")
+        if "traffic" in rnd:
+            _check_traffic(rnd["traffic"], f"rounds[{i}].traffic")
     _check_fields(obj.get("summary"), SUMMARY_FIELDS, "summary")
     if "socket" in obj:
         _check_socket(obj["socket"])

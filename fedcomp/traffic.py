@@ -38,6 +38,11 @@ class KindBytes:
     wire_bytes: int = 0
     #: What the same messages weigh under fp32 both ways (measured per message).
     fp32_wire_bytes: int = 0
+    #: Flower objects the messages consist of (each one its own push or pull call on a
+    #: deployment: what the socket cost of a message grows with, experiments/framing.py).
+    objects: int = 0
+    #: Objects of the same messages under fp32 both ways (counted per message).
+    fp32_objects: int = 0
 
 
 @dataclass
@@ -55,22 +60,37 @@ class Traffic:
         wire_bytes: int,
         fp32_wire_bytes: int | None = None,
         client: int | None = None,
+        objects: int = 0,
+        fp32_objects: int | None = None,
     ) -> None:
-        """Count one message (``fp32_wire_bytes`` None: the same under fp32)."""
+        """Count one message (``fp32_wire_bytes``, ``fp32_objects`` None: the same under
+        fp32)."""
         counts = self.by_kind.setdefault(str(kind), KindBytes())
         counts.messages += 1
         counts.record_bytes += record_bytes
         counts.wire_bytes += wire_bytes
         counts.fp32_wire_bytes += wire_bytes if fp32_wire_bytes is None else fp32_wire_bytes
+        counts.objects += objects
+        counts.fp32_objects += objects if fp32_objects is None else fp32_objects
         if client is not None:
             row = self.per_client.setdefault(client, {})
             row[str(kind)] = row.get(str(kind), 0) + wire_bytes
 
-    def correct_fp32(self, kind: Kind, measured: int, reference: int) -> None:
+    def correct_fp32(
+        self,
+        kind: Kind,
+        measured: int,
+        reference: int,
+        objects: tuple[int, int] | None = None,
+    ) -> None:
         """Replace a counted message's fp32 reference (``measured`` bytes were counted
         as their own reference) by the measured ``reference``: a train reply's fp32
-        size is known only once it is decoded."""
-        self.by_kind[str(kind)].fp32_wire_bytes += reference - measured
+        size is known only once it is decoded. ``objects``: (counted, reference)
+        object counts, corrected the same way."""
+        counts = self.by_kind[str(kind)]
+        counts.fp32_wire_bytes += reference - measured
+        if objects is not None:
+            counts.fp32_objects += objects[1] - objects[0]
 
     def merge(self, other: Traffic) -> None:
         """Add ``other``'s counts to these."""
@@ -102,3 +122,11 @@ class Traffic:
             "train_wire_bytes": self.wire(TRAIN_KINDS),
             "fp32_train_wire_bytes": self.fp32_wire(TRAIN_KINDS),
         }
+
+    def objects(self, kinds: tuple[Kind, ...] | None = None, *, fp32: bool = False) -> int:
+        """Flower objects of the given kinds (``fp32``: of their fp32 reference)."""
+        return sum(
+            c.fp32_objects if fp32 else c.objects
+            for k, c in self.by_kind.items()
+            if kinds is None or k in kinds
+        )

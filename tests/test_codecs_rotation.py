@@ -13,7 +13,6 @@ import math
 import numpy as np
 import pytest
 import torch
-from flwr.app import Array, ArrayRecord
 
 from fedcomp import compiled
 from fedcomp.codecs import PayloadError, TensorPolicy, decode_bytes, make_codec, rotation_compiled
@@ -234,7 +233,7 @@ def test_bad_rotation_settings_are_refused_naming_the_parameter(params: dict, ne
 
 def _server_decode(codec, payload: bytes, reference: np.ndarray, expected: dict):
     return decode_payloads(
-        ArrayRecord({"w": Array(dtype="uint8", shape=(len(payload),), stype="raw", data=payload)}),
+        {"w": memoryview(payload)},
         {"w": reference},
         codec=expected,
         policy=TensorPolicy(),

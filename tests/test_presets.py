@@ -345,7 +345,9 @@ def test_bidirectional_digits_smoke_cuts_the_total_with_the_downlink() -> None:
     }
     results = {key: run_inprocess(s) for key, s in runs.items()}
     ratio = {key: r["summary"]["total_ratio_vs_fp32"] for key, r in results.items()}
-    assert ratio[("fp32", "fp32")] == 1.0
+    # fp32 both ways against plain Flower: its replies are one record each, not an
+    # Array and a chunk per tensor (a few objects' framing on 400 KB messages)
+    assert 1.0 < ratio[("fp32", "fp32")] < 1.01
     uplink_only = ratio[("uniform", "fp32")]
     both = ratio[("uniform", "uniform")]
     # Train replies are at most a third of fp32 FedAvg's traffic here, so the uplink
@@ -357,7 +359,7 @@ def test_bidirectional_digits_smoke_cuts_the_total_with_the_downlink() -> None:
         for r in results[("uniform", "uniform")]["rounds"]
     ]
     assert min(per_round) > 2 * uplink_only
-    fp32 = results[("fp32", "fp32")]["summary"]["total_wire_bytes"]
+    fp32 = results[("fp32", "fp32")]["summary"]["fp32_total_wire_bytes"]
     for key, r in results.items():
         # Each run's fp32 reference is what fp32 FedAvg really sent on the same
         # schedule, up to per-message metadata and the replica fields of fedcomp's

@@ -156,6 +156,34 @@ def test_rounds_take_their_messages_and_idle_calls_and_the_run_its_constants() -
     assert r1["calls"] + r2["calls"] + 4 == len(rows)
 
 
+def test_the_framing_fit_sees_exactly_the_calls_a_round_gives_its_messages() -> None:
+    """experiments/framing.py fits on message calls, object calls and receipts; the
+    idle calls it leaves out are the rounds' idle bytes: together they are the rounds'
+    socket bytes, so the model's terms cover each call of a round once."""
+    from experiments.framing import PULL, PUSH, call_samples
+
+    rows = [
+        _call(
+            1.0, "PullMessages", (10, 5, 10, 50), messages=[_msg("m1", "train", "1", ["m1", "a"])]
+        ),
+        _call(1.1, "PullObject", (10, 64, 10, 300), object="a", content=200),
+        _call(1.3, "ConfirmMessageReceived", (10, 70, 10, 0), object="m1", content=0),
+        _call(1.5, "SendNodeHeartbeat", (10, 8, 10, 2)),
+        _call(2.0, "PushMessages", (10, 60, 10, 5), messages=[_msg("r1", "train", "1", ["c"])]),
+        _call(2.1, "PushObject", (10, 500, 10, 1), object="c", content=420),
+        _call(2.5, "PullMessages", (10, 5, 10, 0)),
+    ]
+    r1 = summarise_socket(rows)["rounds"][1]
+    samples = call_samples(rows)
+    fitted = (
+        sum(b for _, b in samples.objects[PULL] + samples.objects[PUSH])
+        + sum(b for _, b in samples.messages[PULL] + samples.messages[PUSH])
+        + sum(samples.confirms)
+    )
+    assert fitted + r1["idle"] == r1["total"]
+    assert samples.objects[PULL] == [(200, 384)] and samples.confirms == [90]
+
+
 def test_a_call_moving_several_messages_splits_its_bytes_exactly() -> None:
     msgs = [_msg(f"m{i}", "evaluate", "3", [f"o{i}"]) for i in range(3)]
     out = summarise_socket([_call(1.0, "PullMessages", (1, 3, 1, 6), messages=msgs)])
@@ -223,3 +251,22 @@ def test_the_proxy_counts_every_byte_both_ways_and_logs_each_call(tmp_path: Path
     assert section["total_bytes"] == section["setup_bytes"] == sent + received
     assert section["unattributed_bytes"] == 0
     assert json.loads(log.read_text().splitlines()[0])["path"] == "/v1/fleet/unknown"
+
+
+def test_a_request_cut_off_by_the_end_of_the_run_is_counted_unparsed(tmp_path: Path) -> None:
+    """A poll the SuperLink never answered (it stopped first) is no call, but its
+    bytes crossed: they are the connection's unparsed bytes, and the totals close."""
+    from experiments.deployment.socket_count import SocketCounter
+
+    counter = SocketCounter(tmp_path / "socket.jsonl")
+    conn = counter.open()
+    answered, cut = _request("/v1/fleet/x", b"ab"), _request("/v1/fleet/x", b"cde")
+    counter.count(conn, answered, upward=True)
+    reply = b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\n\r\nz"
+    counter.count(conn, reply, upward=False)
+    counter.count(conn, cut, upward=True)
+    counter.close()
+    rows, conns = read_socket_log(tmp_path / "socket.jsonl")
+    assert len(rows) == 1 and conns[0]["unanswered"] == 1
+    assert conns[0]["unparsed_up"] == len(cut)
+    assert check_totals(rows, conns) == len(answered) + len(reply) + len(cut)

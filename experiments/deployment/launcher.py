@@ -57,6 +57,7 @@ from experiments.deployment.settings import (
     validate_deployment,
 )
 from experiments.deployment.socket_count import CountingProxy, socket_section
+from experiments.framing import fp32_reference_fields
 from experiments.runtime import PROJECT_ROOT
 from fedcomp.results_file import ResultsError, load_results, write_results
 from fedcomp.settings import Settings, validate
@@ -265,6 +266,11 @@ def launch(
                 log.error("processes still alive after SIGKILL: %s", st.survivors)
     if proxy is not None:
         results["socket"] = socket_section(deploy_dir / "socket.jsonl", len(specs))
+        # A deployment runs its own recipe only: its fp32 reference at the socket is modelled.
+        try:
+            results["socket"].update(fp32_reference_fields(results))
+        except (OSError, ValueError) as exc:  # the measurement stands without it
+            log.warning("no fp32 reference at the socket (framing model: %s)", exc)
         write_results(results_path, results)
     return results
 

@@ -257,7 +257,11 @@ class SocketCounter:
                     "up_bytes": c.up_bytes,
                     "down_bytes": c.down_bytes,
                     "opaque": c.opaque,
-                    "unparsed_up": c.up_bytes if c.opaque else c.up.unparsed,
+                    # A request still awaiting its response when the run stopped (a
+                    # poll cut off by the SuperLink's exit) is no call: unparsed.
+                    "unparsed_up": c.up_bytes
+                    if c.opaque
+                    else c.up.unparsed + sum(p.head_bytes + len(p.body) for p in c.pending),
                     "unparsed_down": c.down_bytes if c.opaque else c.down.unparsed,
                     "unanswered": len(c.pending),
                 }

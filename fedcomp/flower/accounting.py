@@ -3,7 +3,11 @@
 - record bytes: Flower's ``count_bytes`` summed over the message's records (array
   data and key lengths; what ``message_size_mod`` logs);
 - wire bytes: the deflated objects of the message, what a SuperNode or the
-  SuperLink actually pushes (about 1.3 KB of fixed overhead per message).
+  SuperLink actually pushes (about 1.3 KB of fixed overhead per message);
+- objects: how many Flower objects the message is (Message, RecordDict, each record,
+  Array and ArrayChunk). On a deployment each one is its own push or pull call with
+  ~1 KB of HTTP framing, so this count, not only the bytes, sets a message's socket
+  cost (``experiments/framing.py``).
 
 Every message of a round, in both directions, is counted by kind into the round's
 ``fedcomp.traffic.Traffic`` (:func:`measure_and_record`).
@@ -38,6 +42,13 @@ def wire_bytes(obj: Message | RecordDict) -> int:
         return sum(len(o.deflate()) for o in get_all_nested_objects(obj).values())
 
 
+def object_count(obj: Message | RecordDict) -> int:
+    """How many distinct Flower objects ``obj`` is, itself included: what Flower pushes
+    or pulls one call each (identical objects, e.g. equal chunks, once)."""
+    with no_object_id_recompute():
+        return len(get_all_nested_objects(obj))
+
+
 def measure_and_record(
     traffic: Traffic,
     kind: Kind,
@@ -45,11 +56,13 @@ def measure_and_record(
     *,
     client: int | None,
     fp32_wire_bytes: int | None = None,
+    fp32_objects: int | None = None,
 ) -> int:
-    """Measure ``msg``, record its bytes under ``kind``; return its wire bytes.
+    """Measure ``msg``, record its bytes and objects under ``kind``; return its wire bytes.
 
-    ``fp32_wire_bytes``: the measured size of the same message under fp32 both ways
-    (None: the message is its own reference, e.g. an evaluate reply or an error).
+    ``fp32_wire_bytes``, ``fp32_objects``: the measured size and object count of the
+    same message under fp32 both ways (None: the message is its own reference, e.g.
+    an evaluate reply or an error).
     """
     wire = wire_bytes(msg)
     traffic.add(
@@ -58,6 +71,8 @@ def measure_and_record(
         wire_bytes=wire,
         fp32_wire_bytes=fp32_wire_bytes,
         client=client,
+        objects=object_count(msg),
+        fp32_objects=fp32_objects,
     )
     return wire
 
@@ -77,9 +92,18 @@ def count_instructions(
     """
     wire = {}
     for sid, msg in sent.items():
+        # Counted before ``carry`` may replace the model: the fp32 instruction's objects.
+        fp32_objects = object_count(msg) if traffic is not None else None
         fp32 = carry(sid, msg)
         if traffic is not None:
-            wire[sid] = measure_and_record(traffic, kind, msg, client=sid, fp32_wire_bytes=fp32)
+            wire[sid] = measure_and_record(
+                traffic,
+                kind,
+                msg,
+                client=sid,
+                fp32_wire_bytes=fp32,
+                fp32_objects=None if fp32 is None else fp32_objects,
+            )
     return wire
 
 

@@ -17,7 +17,7 @@ from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 
 from fedcomp.codecs import Codec, decode_bytes
 from fedcomp.codecs.policy import encode_all
-from fedcomp.flower.accounting import wire_bytes
+from fedcomp.flower.accounting import object_count, wire_bytes
 from fedcomp.flower.families import family_of
 from fedcomp.flower.families.base import Encoded, Instruction
 from fedcomp.flower.memory_state import MemoryState
@@ -26,6 +26,7 @@ from fedcomp.keys import (
     METRIC_CODEC_BYTES,
     METRIC_ENCODE_S,
     METRIC_FP32_CODEC_BYTES,
+    METRIC_FP32_CONTENT_OBJECTS,
     METRIC_FP32_CONTENT_WIRE_BYTES,
     METRIC_REL_ERROR,
     METRIC_STATE_BYTES,
@@ -109,4 +110,5 @@ def reply_metrics(
         out[METRIC_FP32_CODEC_BYTES] = sum(len(b) for b in reference.values())
         if plain is not None:
             out[METRIC_FP32_CONTENT_WIRE_BYTES] = wire_bytes(plain)
+            out[METRIC_FP32_CONTENT_OBJECTS] = object_count(plain)
     return out

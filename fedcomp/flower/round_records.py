@@ -8,7 +8,7 @@ from typing import Any
 from flwr.app import MetricRecord
 
 from fedcomp.controlvariates import ControlVariateServer
-from fedcomp.flower.accounting import wire_bytes
+from fedcomp.flower.accounting import object_count, wire_bytes
 from fedcomp.flower.round_state import Decoded
 from fedcomp.keys import (
     METRIC_CODEC_BYTES,
@@ -18,6 +18,7 @@ from fedcomp.keys import (
     METRIC_CV_RESIDUAL,
     METRIC_ENCODE_S,
     METRIC_FP32_CODEC_BYTES,
+    METRIC_FP32_CONTENT_OBJECTS,
     METRIC_FP32_CONTENT_WIRE_BYTES,
     METRIC_OUT_OF_RANGE,
     METRIC_REL_ERROR,
@@ -73,6 +74,9 @@ def account_reply(row: dict[str, Any], item: Decoded, metrics: MetricRecord, wei
             - wire_bytes(item.message.content)
             + int(metrics[METRIC_FP32_CONTENT_WIRE_BYTES])
         )
+    if METRIC_FP32_CONTENT_OBJECTS in metrics:  # the same for the objects
+        row["content_objects"] = object_count(item.message.content)
+        row["fp32_content_objects"] = int(metrics[METRIC_FP32_CONTENT_OBJECTS])
 
 
 def mean(values: list[float]) -> float | None:

@@ -135,7 +135,12 @@ class Uplink:
             account_reply(row, item, item.metrics, item.weight)
             if "fp32_wire_bytes" in row:  # the reply's fp32 size, measured by the client
                 state.traffic.correct_fp32(
-                    Kind.TRAIN_REPLY, row["uplink_wire_bytes"], row["fp32_wire_bytes"]
+                    Kind.TRAIN_REPLY,
+                    row["uplink_wire_bytes"],
+                    row["fp32_wire_bytes"],
+                    objects=(row["content_objects"], row["fp32_content_objects"])
+                    if "fp32_content_objects" in row
+                    else None,
                 )
             if item.pending is not None:
                 self.half.commit(item.pending)
