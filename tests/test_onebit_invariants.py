@@ -22,8 +22,10 @@ import numpy as np
 import pytest
 import torch
 
+from fedcomp.codecs.wire import Payload, PayloadError
 from fedcomp.onebit import OneBitCode
 from fedcomp.onebit import decode as joint
+from fedcomp.onebit.code import _BODY, block_spreads, scale_code, scale_value
 from fedcomp.onebit.decode import Received, decode_joint, localize, safe_phases
 from fedcomp.onebit.decode_runs import decode_runs
 
@@ -239,3 +241,143 @@ def test_median_of_means_is_the_median_of_each_group_decoded_alone(groups, weigh
     want = got.center + np.median(np.stack(means), axis=0)
     np.testing.assert_allclose(got.mean, want, rtol=1e-12, atol=1e-12)
     assert not np.allclose(means[0], means[1])  # the groups differ: the median is not moot
+
+
+# --------------------------------------------------------------------------- scale codes
+
+
+def _code_of(spread: float) -> int:
+    """The definition: round(4 log2 s) + 128 clipped to 1..255, and 0 for s = 0."""
+    return 0 if spread == 0 else min(255, max(1, round(4 * math.log2(spread)) + 128))
+
+
+def test_scale_codes_are_quarter_octaves_clipped_to_one_byte_at_their_ends():
+    spreads = [0.0, 1.0, 3.0, 2.0**31.75, 2.0**32, 2.0**40, 2.0**-31.75, 2.0**-32, 2.0**-60]
+    spreads += [5e-324, 0.7]
+    codes = scale_code(np.array(spreads))
+    assert codes.dtype == np.uint8
+    assert codes.tolist() == [_code_of(s) for s in spreads]
+    assert codes.tolist()[:8] == [0, 128, 134, 255, 255, 255, 1, 1]
+
+
+def test_scale_values_invert_the_codes_and_zero_stands_for_zero():
+    codes = np.array([0, 1, 2, 127, 128, 129, 255], dtype=np.uint8)
+    want = [0.0] + [2.0 ** ((c - 128) / 4) for c in codes[1:].tolist()]
+    np.testing.assert_array_equal(scale_value(codes), want)
+    spreads = np.geomspace(2.0**-31, 2.0**31, 97)
+    ratio = scale_value(scale_code(spreads)) / spreads
+    assert np.all(np.abs(np.log2(ratio)) <= 1 / 8 + 1e-12)  # half a quarter octave
+
+
+def test_block_spreads_are_the_scaled_median_absolute_deviation_per_block():
+    rng = np.random.default_rng(3)
+    x = rng.standard_t(3, 23)
+    reference = rng.normal(size=23)
+    for ref in (None, reference):
+        got = block_spreads(x, 10, ref)
+        want = []
+        for first in (0, 10, 20):
+            part = x[first : first + 10]
+            r = np.median(part) if ref is None else ref[first : first + 10]
+            want.append(1.4826 * np.median(np.abs(part - r)))
+        np.testing.assert_allclose(got, want, rtol=1e-15)
+    assert block_spreads(np.zeros(0), 4, None).shape == (0,)
+
+
+# --------------------------------------------------------------------------- next tau
+
+
+def _with_codes(code: OneBitCode, rows: list[list[int]], numel: int) -> list[Payload]:
+    """Replies of ``numel`` zeros whose scale codes are set to ``rows`` (one per client)."""
+    out = []
+    for i, codes in enumerate(rows):
+        p = code.encode(torch.zeros(numel), client_index=i, num_clients=len(rows), seed=2, tau=1.0)
+        body = bytearray(p.body)
+        body[_BODY.size : _BODY.size + len(codes)] = bytes(codes)
+        out.append(Payload(p.header, bytes(body)))
+    return out
+
+
+def test_next_tau_is_each_blocks_median_scale_kept_within_four_times_the_previous():
+    code = OneBitCode(bits=1, block=4, center="zero")
+    # blocks: medians 2^-1 (below 1), 2^1, all zero, 4x the previous exactly, one code more
+    # (clipped to 4x), one code under a quarter (clipped to 1/4)
+    rows = [
+        [124, 132, 0, 136, 137, 119],
+        [120, 136, 0, 136, 137, 119],
+        [126, 128, 0, 140, 150, 100],
+    ]
+    payloads = _with_codes(code, rows, 24)
+    tau = code.next_tau(payloads, shape=(24,), previous=1.0)
+    assert tau.tolist() == [0.5, 2.0, 1.0, 4.0, 4.0, 0.25]
+    previous = np.array([1.0, 1.0, 3.0, 1.0, 2.0, 1.0])
+    tau = code.next_tau(payloads, shape=(24,), previous=previous)
+    assert tau.tolist() == [0.5, 2.0, 3.0, 4.0, 2.0**2.25, 0.25]
+    # replies as bytes read the same
+    assert code.next_tau([bytes(p) for p in payloads], shape=(24,), previous=1.0).tolist() == [
+        0.5, 2.0, 1.0, 4.0, 4.0, 0.25
+    ]  # fmt: skip
+
+
+def test_next_tau_without_replies_keeps_the_previous_as_floats():
+    code = OneBitCode(bits=1, block=4)
+    tau = code.next_tau([], shape=(2, 5), previous=3)
+    assert tau.dtype == np.float64 and tau.tolist() == [3.0, 3.0, 3.0]
+
+
+def test_next_tau_refuses_a_reply_claiming_more_elements_than_the_shape():
+    code = OneBitCode(bits=1, block=4)
+    big = code.encode(torch.zeros(9), client_index=0, num_clients=1, seed=2, tau=1.0)
+    with pytest.raises(PayloadError, match=r"^payload claims 9 elements, above the limit of 8$"):
+        code.next_tau([bytes(big)], shape=(8,), previous=1.0)
+
+
+# --------------------------------------------------------------------------- settings
+
+
+@pytest.mark.parametrize(
+    ("key", "good", "bad", "allowed"),
+    [
+        ("bits", [1, 64], [0, 65, True, 2.0], "use an integer in 1..64"),
+        ("lam", [0.0, 5], [-1e-9, math.inf, "1"], "use a finite number >= 0"),
+        ("loc_votes", [0.0], [-1.0, math.nan], "use a finite number >= 0"),
+        ("top", [1e-9], [0.0], "use a positive number"),
+        ("a0", [1e-9], [0], "use a positive number"),
+        ("min_resultant", [0.0, 2.0], [-1e-9, 2.000001], "use a number in [0, 2]"),
+        ("base_share", [1e-9, 0.499], [0.0, 0.5], "use a number in (0, 0.5)"),
+        ("tau_prior", [1e-30, 1e30], [0.99e-30, 1.01e30], "[1e-30, 1e30]"),
+        ("decay", [-3.0, 0.0], [math.inf, math.nan], "use a finite number"),
+        ("block", [1], [0, True, 2.5], "use a positive integer"),
+        ("groups", [1, 7], [0, False, 1.0], "use a positive integer"),
+    ],
+)
+def test_settings_accept_their_bounds_and_refuse_one_past_naming_key_and_value(
+    key, good, bad, allowed
+):
+    for value in good:
+        assert getattr(OneBitCode(**{key: value}), key) == value
+    for value in bad:
+        with pytest.raises(ValueError) as info:
+            OneBitCode(**{key: value})
+        message = str(info.value)
+        assert message.startswith(f"onebit: {key}={value!r} is invalid; ") and allowed in message
+
+
+@pytest.mark.parametrize(
+    ("numel", "extra"), [(0, 8.0), (1, 8.0), (10, 0.8), (64, 0.125), (65, 0.125)]
+)
+def test_nominal_bits_add_one_scale_code_per_block(numel: int, extra: float) -> None:
+    code = OneBitCode(bits=3, block=64)
+    assert code.nominal_bits(numel) == 3 + extra
+    assert code.num_blocks(numel) == -(-numel // 64)
+
+
+def test_block_taus_broadcast_a_scalar_and_refuse_a_wrong_count_or_value():
+    code = OneBitCode(block=4)
+    assert code.block_taus(2.0, 9).tolist() == [2.0, 2.0, 2.0]
+    assert code.block_taus(torch.tensor([1.0, 2.0, 3.0]), 9).tolist() == [1.0, 2.0, 3.0]
+    with pytest.raises(ValueError, match=r"\(3 blocks of 4\), got shape \(2,\)$"):
+        code.block_taus([1.0, 2.0], 9)
+    for bad in (0.0, -1.0, math.nan, math.inf):
+        with pytest.raises(ValueError, match=r"^onebit: tau must be finite and positive"):
+            code.block_taus([1.0, bad, 1.0], 9)
