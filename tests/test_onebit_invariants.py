@@ -91,13 +91,19 @@ def test_one_answer_per_loc_query_is_a_vote():
     assert not stopped[0] and center[0] == pytest.approx(_snapped(0.0, 1.0, 1.0, 8.0))
 
 
-def test_each_level_reads_its_own_two_rows():
-    """Level 0 has answers on both rows, level 1 none on its phase-1 row: level 1 stops,
-    whatever the other rows hold."""
-    sums = np.array([[0.0], [4.0], [0.0], [0.0]])
-    counts = np.array([[4.0], [4.0], [4.0], [0.0]])
-    center, stopped = localize(sums, counts, np.array([1.0]), (16.0, 4.0), min_resultant=0.3)
-    assert stopped[0] and center[0] == _snapped(1.0, 0.0, 1.0, 16.0)
+def test_each_level_reads_its_own_two_rows_and_leaves_the_start_alone():
+    """Coordinate 0 has answers on both rows of level 0 and none on level 1's phase-1
+    row: level 1 stops it, whatever the other rows hold; coordinate 1 goes on through
+    both levels; coordinate 2 has no votes and keeps its start. The caller's start array
+    is not written to (only some coordinates move)."""
+    sums = np.array([[0.0, 0.0, 0.0], [4.0, 4.0, 0.0], [0.0, 2.0, 0.0], [0.0, 4.0, 0.0]])
+    counts = np.array([[4.0, 4.0, 0.0], [4.0, 4.0, 0.0], [4.0, 4.0, 0.0], [0.0, 4.0, 0.0]])
+    start = np.array([1.0, 1.0, 1.0])
+    center, stopped = localize(sums, counts, start, (16.0, 4.0), min_resultant=0.3)
+    assert stopped.tolist() == [True, False, True]
+    assert center[0] == _snapped(1.0, 0.0, 1.0, 16.0) and center[2] == 1.0
+    assert center[1] == pytest.approx(_snapped(center[0], 0.5, 1.0, 4.0), abs=1e-12)
+    assert start.tolist() == [1.0, 1.0, 1.0]
 
 
 def test_empty_and_balanced_votes_stop_every_coordinate_silently():
