@@ -169,6 +169,7 @@ def _received(code, x, *, n, indices, weights, seed=5):
 CASES = {
     "inband-equal": ("inband", "deterministic", None),
     "inband-scaled": ("inband", "deterministic", 2.5),
+    "inband-weighted": ("inband", "deterministic", "unequal"),
     "previous-weighted": ("previous", "deterministic", "unequal"),
     "zero-stochastic-weighted": ("zero", "stochastic", "unequal"),
     "inband-stochastic-scaled": ("inband", "stochastic", 0.25),
@@ -213,13 +214,16 @@ def test_the_per_answer_decoder_is_the_run_sum_decoder_over_several_chunks(case,
     assert abs(err.mean()) <= 5 * err.std() / math.sqrt(d)
 
 
-def test_a_lone_reply_decodes_as_the_run_sum_decoder():
-    code = OneBitCode(bits=3, lam=50.0, center="zero", block=32)
-    x = np.linspace(-5, 5, 40, dtype=np.float32)[None]
+def test_a_lone_reply_decodes_as_the_run_sum_decoder(monkeypatch):
+    """One reply of one bit per coordinate, in chunks of 8 coordinates: some chunks
+    hold no answer to a query with a public U (BASE, SREF), whose sums are then absent."""
+    code = OneBitCode(bits=1, lam=50.0, center="zero", block=32)
+    x = np.linspace(-5, 5, 120, dtype=np.float32)[None]
     received, qs = _received(code, x, n=4, indices=[2], weights=[1.5])
-    common = {"numel": 40, "seed": 5, "start": None, "localize_center": False}
-    got = decode_joint(received, qs, min_resultant=0.3, **common)
+    common = {"numel": 120, "seed": 5, "start": None, "localize_center": False}
     want = decode_runs(received, qs, min_resultant=0.3, **common)
+    monkeypatch.setattr(joint, "DECODE_ENTRIES", 8)
+    got = decode_joint(received, qs, min_resultant=0.3, **common)
     np.testing.assert_allclose(got.mean, want.mean, rtol=1e-12, atol=1e-12)
 
 
