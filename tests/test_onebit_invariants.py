@@ -391,3 +391,37 @@ def test_block_taus_broadcast_a_scalar_and_refuse_a_wrong_count_or_value():
     for bad in (0.0, -1.0, math.nan, math.inf):
         with pytest.raises(ValueError, match=r"^onebit: tau must be finite and positive"):
             code.block_taus([1.0, bad, 1.0], 9)
+
+
+# --------------------------------------------------------------------------- decode_mean
+
+
+def _three_replies(code: OneBitCode) -> tuple[list[Payload], dict]:
+    x = torch.arange(12, dtype=torch.float32).reshape(3, 4) - 5
+    plan = {"num_clients": 3, "seed": 8, "tau": 1.0}
+    payloads = [code.encode(x, client_index=i, **plan) for i in range(3)]
+    return payloads, {"client_indices": [0, 1, 2], **plan}
+
+
+def test_decode_mean_reads_the_shape_from_the_first_reply_as_object_or_bytes():
+    code = OneBitCode(bits=2, center="zero", block=8)
+    payloads, plan = _three_replies(code)
+    as_objects = code.decode_mean(payloads, **plan)
+    assert as_objects.shape == (3, 4)
+    assert torch.equal(code.decode_mean([bytes(p) for p in payloads], **plan), as_objects)
+    assert torch.equal(code.decode_mean(payloads, shape=(3, 4), **plan), as_objects)
+
+
+def test_decode_mean_refuses_a_shape_that_is_not_the_replies_and_no_replies():
+    code = OneBitCode(bits=2, center="zero", block=8)
+    payloads, plan = _three_replies(code)
+    with pytest.raises(PayloadError, match=r"^onebit: shape is \(3, 4\), the server asked"):
+        code.decode_mean(payloads, shape=(12,), **plan)
+    with pytest.raises(ValueError, match=r"^onebit: no payloads to decode$"):
+        code.decode_mean([], **{**plan, "client_indices": []})
+
+
+def test_median_of_means_of_a_single_coordinate_is_the_groups_median():
+    est = np.array([[1.0], [10.0], [6.0]])  # three groups, one coordinate (a ragged chunk)
+    got = joint._median_of_means(est, np.array([1.0, 2.0, 3.0]))
+    assert got.tolist() == [float(np.median([1.0, 5.0, 2.0]))]
