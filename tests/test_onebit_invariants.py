@@ -425,3 +425,49 @@ def test_median_of_means_of_a_single_coordinate_is_the_groups_median():
     est = np.array([[1.0], [10.0], [6.0]])  # three groups, one coordinate (a ragged chunk)
     got = joint._median_of_means(est, np.array([1.0, 2.0, 3.0]))
     assert got.tolist() == [float(np.median([1.0, 5.0, 2.0]))]
+
+
+def test_a_reply_of_weight_zero_says_nothing_when_no_center_is_voted():
+    """Zero-weight replies add nothing to the weighted sums nor to the total weight: with
+    the center not localized from votes (one per client, whatever the weight) the mean
+    is that of the weighted replies alone."""
+    code = OneBitCode(bits=2, center="zero", block=8)
+    rng = np.random.default_rng(4)
+    x = torch.from_numpy(rng.normal(3.0, 2.0, (3, 20)).astype(np.float32))
+    plan = {"num_clients": 5, "seed": 9, "tau": 1.0}
+    payloads = [code.encode(x[r], client_index=i, **plan) for r, i in enumerate([0, 2, 4])]
+    got = code.decode_mean(payloads, client_indices=[0, 2, 4], weights=[0.0, 1.0, 0.0], **plan)
+    alone = code.decode_mean(payloads[1:2], client_indices=[2], **plan)
+    torch.testing.assert_close(got, alone, rtol=0, atol=1e-6)
+    assert not torch.allclose(got, code.decode_mean(payloads, client_indices=[0, 2, 4], **plan))
+
+
+@pytest.mark.parametrize("tau", [2.0, 0.25])
+def test_clients_at_the_side_center_decode_to_it_whatever_tau(tau: float) -> None:
+    """The side center is divided by tau like the clients' values: clients sitting on
+    it contribute exactly zero and the mean is the side center."""
+    code = OneBitCode(bits=2, center="previous", block=8)
+    side = torch.linspace(-30, 30, 24)
+    plan = {"num_clients": 4, "seed": 3, "tau": tau}
+    payloads = [code.encode(side, client_index=i, **plan) for i in range(4)]
+    got = code.decode_mean(payloads, client_indices=[0, 1, 2, 3], side_center=side, **plan)
+    assert torch.equal(got, side)
+    with pytest.raises(ValueError, match=r'^onebit: center="previous" needs side_center$'):
+        code.decode_mean(payloads, client_indices=[0, 1, 2, 3], **plan)
+
+
+def test_without_the_compiled_decoder_one_group_decodes_with_the_run_sums(monkeypatch):
+    """Numba absent, or scales that are not powers of two: the run-sum decoder, whose
+    estimate is the per-answer decoder's to the bit (equal weights)."""
+    from fedcomp.onebit import code as onebit_code
+
+    code = OneBitCode(bits=2, lam=50.0, block=16)
+    rng = np.random.default_rng(8)
+    x = torch.from_numpy((10 + 3 * rng.standard_t(3, (12, 40))).astype(np.float32))
+    plan = {"num_clients": 12, "seed": 4, "tau": 1.0}
+    payloads = [code.encode(x[i], client_index=i, **plan) for i in range(12)]
+    kwargs = {"client_indices": list(range(12)), **plan}
+    monkeypatch.setattr(onebit_code, "compiled_available", lambda qs: False)
+    fallback = code.decode_mean(payloads, **kwargs)
+    monkeypatch.setattr(onebit_code, "decode_one_group", decode_joint)
+    assert torch.equal(fallback, code.decode_mean(payloads, **kwargs))
