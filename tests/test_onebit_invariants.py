@@ -16,6 +16,7 @@ takes milliseconds.
 from __future__ import annotations
 
 import math
+import re
 import warnings
 
 import numpy as np
@@ -28,6 +29,7 @@ from fedcomp.onebit import decode as joint
 from fedcomp.onebit.code import _BODY, block_spreads, scale_code, scale_value
 from fedcomp.onebit.decode import Received, decode_joint, localize, safe_phases
 from fedcomp.onebit.decode_runs import decode_runs
+from fedcomp.onebit.queries import KIND_LOC
 
 # --------------------------------------------------------------------------- center
 
@@ -471,3 +473,87 @@ def test_without_the_compiled_decoder_one_group_decodes_with_the_run_sums(monkey
     fallback = code.decode_mean(payloads, **kwargs)
     monkeypatch.setattr(onebit_code, "decode_one_group", decode_joint)
     assert torch.equal(fallback, code.decode_mean(payloads, **kwargs))
+
+
+def test_used_queries_are_every_nonzero_coefficient_of_each_scale_and_pattern():
+    """Per scale j = 0..J and phase pattern p: the rows' (query, coefficient) pairs are
+    exactly the non-LOC queries of scale j with a non-zero coefficient for p."""
+    for code in (OneBitCode(bits=2, lam=300.0), OneBitCode(bits=1, refine="stochastic")):
+        qs = code.query_set(np.ones(1), 20)
+        table = joint.coefficient_table(qs)
+        rows = joint.used_queries(qs, table)
+        num = qs.geometry.num_scales
+        assert {row.scale for row in rows} <= set(range(num + 1))  # the top scale may have none
+        for scale in range(num + 1):
+            for p in range(4):
+                want = sorted(
+                    (q, table[q].reshape(-1)[p])
+                    for q in range(qs.num_queries)
+                    if qs.kind[q] != KIND_LOC
+                    and int(qs.scale_index[q]) == scale
+                    and table[q].reshape(-1)[p] != 0
+                )
+                got = sorted(
+                    (int(r.query[p]), r.coef[p]) for r in rows if r.scale == scale and r.coef[p]
+                )
+                assert got == want, (scale, p)
+        needs_u = qs.needs_uniform()
+        assert all(bool(needs_u[r.query[r.coef != 0]].all()) == r.drawn for r in rows)
+
+
+def _plan(code: OneBitCode, x: torch.Tensor, n: int) -> tuple[list[Payload], dict]:
+    plan = {"num_clients": n, "seed": 6, "tau": 1.0}
+    payloads = [code.encode(x[i], client_index=i, **plan) for i in range(len(x))]
+    return payloads, {"client_indices": list(range(len(x))), **plan}
+
+
+def test_several_groups_decode_by_median_of_means_and_one_group_or_reply_plainly():
+    rng = np.random.default_rng(12)
+    x = torch.from_numpy((5 + 3 * rng.standard_t(3, (7, 30))).astype(np.float32))
+    for groups in (2, 3):
+        code = OneBitCode(bits=2, lam=50.0, block=16, groups=groups)
+        payloads, plan = _plan(code, x, 7)
+        got = code.decode_mean(payloads, **plan)
+        received, qs = _received(code, x.numpy(), n=7, indices=list(range(7)), weights=None,
+                                 seed=6)  # fmt: skip
+        common = {"numel": 30, "seed": 6, "start": None, "localize_center": True}
+        want = decode_joint(received, qs, min_resultant=code.min_resultant, groups=groups,
+                            **common)  # fmt: skip
+        assert torch.equal(got, torch.from_numpy(want.mean).float())
+        plain = decode_joint(received, qs, min_resultant=code.min_resultant, **common)
+        assert not np.allclose(want.mean, plain.mean)
+
+
+def test_an_empty_tensor_decodes_to_an_empty_float32_mean():
+    code = OneBitCode(bits=2, block=8)
+    payloads, plan = _plan(code, torch.zeros(3, 2, 0), 3)
+    got = code.decode_mean(payloads, **plan)
+    assert got.shape == (2, 0) and got.dtype == torch.float32
+
+
+def test_decode_refuses_mismatched_indices_and_weights_naming_the_rule():
+    code = OneBitCode(bits=2, center="zero", block=8)
+    # weights of 1e308 overflow the sums of these replies (their answers differ from
+    # the center's, seed 0): inf - inf
+    x = np.random.default_rng(0).normal(0, 10, (3, 5)).astype(np.float32)
+    payloads, plan = _plan(code, torch.from_numpy(x), 3)
+    assert code.decode_mean(payloads, **plan).dtype == torch.float32
+    accepted = code.decode_mean(payloads, weights=[0.0, 0.0, 1e-300], **plan)
+    assert torch.isfinite(accepted).all()  # zero weights are allowed, a positive sum needed
+    refusals = [
+        ({"client_indices": [0, 1]}, "one client index per payload"),
+        ({"client_indices": [0, 1, 1]}, "duplicate client indices"),
+        ({"weights": [1.0, 1.0]}, "weights must be one finite number per payload"),
+        ({"weights": [1.0, math.nan, 1.0]}, "weights must be one finite number per payload"),
+        ({"weights": [1.0, -1e-300, 1.0]}, "weights must be >= 0 with a positive sum"),
+        ({"weights": [0.0, 0.0, 0.0]}, "weights must be >= 0 with a positive sum"),
+        ({"weights": [1e308, 1e308, 1e308]}, "the decoded mean is not finite (check the weights)"),
+    ]
+    for change, message in refusals:
+        with (
+            np.errstate(over="ignore"),
+            pytest.raises(ValueError, match=f"^onebit: {re.escape(message)}$"),
+        ):
+            code.decode_mean(payloads, **{**plan, **change})
+    with pytest.raises(ValueError, match=r"^onebit: no payloads to decode$"):
+        code.decode([], **{**plan, "client_indices": []}, shape=(5,))
