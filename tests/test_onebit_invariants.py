@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedcomp.codecs.wire import Payload, PayloadError
+from fedcomp.codecs.wire import Payload, PayloadError, PayloadHeader
 from fedcomp.onebit import OneBitCode
 from fedcomp.onebit import decode as joint
 from fedcomp.onebit.code import _BODY, block_spreads, scale_code, scale_value
@@ -478,7 +478,8 @@ def test_without_the_compiled_decoder_one_group_decodes_with_the_run_sums(monkey
 def test_used_queries_are_every_nonzero_coefficient_of_each_scale_and_pattern():
     """Per scale j = 0..J and phase pattern p: the rows' (query, coefficient) pairs are
     exactly the non-LOC queries of scale j with a non-zero coefficient for p."""
-    for code in (OneBitCode(bits=2, lam=300.0), OneBitCode(bits=1, refine="stochastic")):
+    codes = (OneBitCode(bits=2, lam=300.0), OneBitCode(bits=1, refine="stochastic", a0=1.0))
+    for code in codes:
         qs = code.query_set(np.ones(1), 20)
         table = joint.coefficient_table(qs)
         rows = joint.used_queries(qs, table)
@@ -557,3 +558,74 @@ def test_decode_refuses_mismatched_indices_and_weights_naming_the_rule():
             code.decode_mean(payloads, **{**plan, **change})
     with pytest.raises(ValueError, match=r"^onebit: no payloads to decode$"):
         code.decode([], **{**plan, "client_indices": []}, shape=(5,))
+
+
+# --------------------------------------------------------------------------- check
+
+
+def _one_reply(seed: int = 5) -> tuple[OneBitCode, torch.Tensor, Payload, dict]:
+    code = OneBitCode(bits=2, center="zero", block=8)
+    x = torch.linspace(-3, 3, 18).reshape(2, 9)
+    plan = {"client_index": 1, "num_clients": 3, "seed": seed, "tau": 1.0}
+    return code, x, code.encode(x, **plan), {**plan, "shape": (2, 9)}
+
+
+def test_check_returns_the_packed_bits_and_the_scale_codes_of_each_block():
+    code, x, payload, plan = _one_reply()
+    packed, codes = code.check(payload, **plan)
+    want = scale_code(block_spreads(x.reshape(-1).double().numpy(), 8, None))
+    assert codes.tolist() == want.tolist() and len(codes) == 3
+    assert bytes(packed) == bytes(payload.body)[_BODY.size + 3 :]
+    assert len(packed) == -(-18 * 2 // 8)
+    # a seed beyond 64 bits travels as its low 64 bits, on both sides
+    code, _, payload, plan = _one_reply(seed=-1)
+    assert payload.header.seed == 2**64 - 1
+    code.check(payload, **plan)
+
+
+def test_check_names_each_mismatched_field_with_both_values():
+    code, _, payload, plan = _one_reply()
+    h = payload.header
+    digest = code.digest(code.block_taus(2.0, 18), 3)
+    sent = code.digest(code.block_taus(1.0, 18), 3)
+    body = bytes(payload.body)
+    cases = [
+        (code, Payload(PayloadHeader(0, h.dtype, h.shape, h.seed), body), {},
+         f"codec id is 0, the server asked for {h.codec_id}"),
+        (code, payload, {"shape": (18,)}, "shape is (2, 9), the server asked for (18,)"),
+        (code, payload, {"seed": 6}, "public seed is 5, the server asked for 6"),
+        (code, Payload(h, bytes([2]) + body[1:]), {}, "format is 2, the server asked for 1"),
+        (OneBitCode(bits=3, center="zero", block=8), payload, {},
+         "bits is 2, the server asked for 3"),
+        (OneBitCode(bits=2, center="previous", block=8), payload, {},
+         "center is 2, the server asked for 1"),
+        (OneBitCode(bits=2, center="zero", refine="stochastic", block=8), payload, {},
+         "refine is 0, the server asked for 1"),
+        (code, payload, {"client_index": 0}, "client index is 1, the server asked for 0"),
+        (code, payload, {"num_clients": 4}, "client count is 3, the server asked for 4"),
+        (OneBitCode(bits=2, center="zero", block=9), payload, {},
+         "block is 8, the server asked for 9"),
+        (code, payload, {"tau": 2.0},
+         f"public parameter digest is {sent}, the server asked for {digest}"),
+    ]  # fmt: skip
+    for checker, reply, change, message in cases:
+        with pytest.raises(PayloadError, match=f"^onebit: {re.escape(message)}$"):
+            checker.check(reply, **{**plan, **change})
+    ints = Payload(PayloadHeader(h.codec_id, torch.int32, h.shape, h.seed), body)
+    with pytest.raises(PayloadError, match=r"^onebit payload declares a non-float dtype"):
+        code.check(ints, **plan)
+
+
+def test_check_bounds_the_body_at_its_fixed_part_and_its_exact_length():
+    code, _, payload, plan = _one_reply()
+    h, body = payload.header, bytes(payload.body)
+    expected = _BODY.size + 3 + 5
+    assert len(body) == expected
+    with pytest.raises(
+        PayloadError, match=rf"^onebit payload body is 20 bytes, expected {expected}$"
+    ):
+        code.check(Payload(h, body[: _BODY.size]), **plan)
+    with pytest.raises(PayloadError, match=r"^truncated onebit payload: 19 body bytes$"):
+        code.check(Payload(h, body[: _BODY.size - 1]), **plan)
+    with pytest.raises(PayloadError, match=r"^payload claims 18 elements, above the limit of 9$"):
+        code.check(bytes(payload), **{**plan, "shape": (9,)})
