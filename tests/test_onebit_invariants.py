@@ -629,3 +629,49 @@ def test_check_bounds_the_body_at_its_fixed_part_and_its_exact_length():
         code.check(Payload(h, body[: _BODY.size - 1]), **plan)
     with pytest.raises(PayloadError, match=r"^payload claims 18 elements, above the limit of 9$"):
         code.check(bytes(payload), **{**plan, "shape": (9,)})
+
+
+# --------------------------------------------------------------------------- encode
+
+
+def test_encode_codes_spreads_around_the_given_reference_and_scales_by_tau():
+    code = OneBitCode(bits=1, center="zero", block=5)
+    rng = np.random.default_rng(9)
+    x, reference = rng.normal(size=12), rng.normal(size=12)
+    plan = {"client_index": 0, "num_clients": 2, "seed": 1, "tau": [2.0, 0.5, 4.0]}
+    for ref in (None, reference):
+        payload = code.encode(torch.from_numpy(x), reference=ref, **plan)
+        codes = np.frombuffer(bytes(payload.body), np.uint8, 3, _BODY.size)
+        assert codes.tolist() == scale_code(block_spreads(x, 5, ref)).tolist()
+    assert payload.header.dtype == torch.float64  # a tensor's own dtype
+    as_array = code.encode(x.astype(np.float32), **plan)
+    assert as_array.header.dtype == torch.float32 and as_array.header.shape == (12,)
+    assert bytes(as_array.body) == bytes(code.encode(torch.from_numpy(x).float(), **plan).body)
+
+
+def test_encode_refuses_a_client_index_outside_the_plan_and_non_finite_values():
+    code = OneBitCode(bits=1, block=4)
+    plan = {"num_clients": 3, "seed": 1, "tau": 1.0}
+    code.encode(torch.ones(4), client_index=2, **plan)
+    for bad in (3, -1):
+        with pytest.raises(ValueError, match=rf"^onebit: client_index {bad} not in \[0, 3\)$"):
+            code.encode(torch.ones(4), client_index=bad, **plan)
+    message = "onebit: the tensor has NaN or infinite values; refusing to encode"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        code.encode(torch.tensor([1.0, math.inf]), client_index=0, **plan)
+
+
+def test_the_digest_covers_every_setting_the_client_count_and_tau():
+    from fedcomp.codecs import make_codec_from_spec
+
+    base = OneBitCode(bits=2, block=8)
+    assert make_codec_from_spec(base.spec()) == base
+    taus = base.block_taus(1.0, 16)
+    digest = base.digest(taus, 5)
+    others = [
+        OneBitCode(bits=2, block=8, min_resultant=0.4).digest(taus, 5),  # same cuts
+        OneBitCode(bits=2, block=8, groups=3).digest(taus, 5),
+        base.digest(taus, 6),
+        base.digest(base.block_taus([1.0, 1.5], 16), 5),
+    ]
+    assert digest not in others and len(set(others)) == len(others)
