@@ -29,7 +29,7 @@ from fedcomp.onebit import decode as joint
 from fedcomp.onebit.code import _BODY, block_spreads, scale_code, scale_value
 from fedcomp.onebit.decode import Received, decode_joint, localize, safe_phases
 from fedcomp.onebit.decode_runs import decode_runs
-from fedcomp.onebit.queries import KIND_LOC
+from fedcomp.onebit.queries import CENTERS, KIND_LOC, REFINES
 
 # --------------------------------------------------------------------------- center
 
@@ -675,3 +675,12 @@ def test_the_digest_covers_every_setting_the_client_count_and_tau():
         base.digest(base.block_taus([1.0, 1.5], 16), 5),
     ]
     assert digest not in others and len(set(others)) == len(others)
+
+
+@pytest.mark.parametrize(("key", "names"), [("center", CENTERS), ("refine", REFINES)])
+def test_an_unknown_center_or_refinement_is_refused_listing_the_allowed(key, names) -> None:
+    for name in names:
+        assert getattr(OneBitCode(**{key: name}), key) == name
+    allowed = f"use one of {', '.join(names)}"
+    with pytest.raises(ValueError, match=f"^onebit: {key}='median' is invalid; {allowed}$"):
+        OneBitCode(**{key: "median"})
