@@ -29,7 +29,14 @@ from fedcomp.onebit import decode as joint
 from fedcomp.onebit.code import _BODY, block_spreads, scale_code, scale_value
 from fedcomp.onebit.decode import Received, decode_joint, localize, safe_phases
 from fedcomp.onebit.decode_runs import decode_runs
-from fedcomp.onebit.queries import CENTERS, KIND_LOC, REFINES
+from fedcomp.onebit.queries import (
+    CENTERS,
+    KIND_LOC,
+    KIND_SREF,
+    REFINES,
+    build_query_set,
+    make_geometry,
+)
 
 # --------------------------------------------------------------------------- center
 
@@ -684,3 +691,42 @@ def test_an_unknown_center_or_refinement_is_refused_listing_the_allowed(key, nam
     allowed = f"use one of {', '.join(names)}"
     with pytest.raises(ValueError, match=f"^onebit: {key}='median' is invalid; {allowed}$"):
         OneBitCode(**{key: "median"})
+
+
+def test_the_query_set_is_built_from_every_setting_and_the_smallest_tau():
+    code = OneBitCode(bits=3, lam=60.0, center="previous", refine="stochastic", top=512.0,
+                      a0=2.0, decay=1.5, loc_votes=7.0, base_share=0.3)  # fmt: skip
+    got = code.query_set(np.array([4.0, 2.5, 8.0]), 11)
+    geometry = make_geometry(60.0 / 2.5, top=512.0, a0=2.0, localize=False)
+    want = build_query_set(geometry, num_clients=11, bits=3, refine="stochastic", decay=1.5,
+                           loc_votes=7.0, base_share=0.3)  # fmt: skip
+    assert got.geometry == geometry
+    np.testing.assert_array_equal(got.cuts, want.cuts)
+    np.testing.assert_array_equal(got.kind, want.kind)
+    np.testing.assert_array_equal(got.inclusion, want.inclusion)
+
+
+def test_a_stochastic_refinements_coefficient_is_three_scales_at_its_phases_only():
+    """SREF(j, b, b') is worth 3 L_j when the safe phases are (b, b'), 0 otherwise."""
+    qs = OneBitCode(bits=2, refine="stochastic").query_set(np.ones(1), 10)
+    table = joint.coefficient_table(qs)
+    sref = np.flatnonzero(qs.kind == KIND_SREF)
+    assert sref.size
+    for q in sref:
+        want = np.zeros((2, 2))
+        want[qs.phase[q], qs.phase2[q]] = 3 * qs.geometry.scale(int(qs.scale_index[q]))
+        np.testing.assert_array_equal(table[q], want)
+
+
+def test_an_integer_tensor_is_refused_and_an_array_of_any_shape_is_flattened():
+    code = OneBitCode(bits=1, block=4)
+    plan = {"client_index": 0, "num_clients": 2, "seed": 1, "tau": 1.0}
+    with pytest.raises(
+        ValueError, match=r"^onebit needs a floating-point tensor, got torch.int64$"
+    ):
+        code.encode(torch.arange(6), **plan)
+    x = np.linspace(-2, 2, 6).reshape(2, 3)
+    assert code.encode(x, **plan).header.shape == (2, 3)
+    assert bytes(code.encode(x, **plan).body) == bytes(
+        code.encode(torch.from_numpy(x), **plan).body
+    )
