@@ -694,13 +694,13 @@ def test_an_unknown_center_or_refinement_is_refused_listing_the_allowed(key, nam
 
 
 def test_the_query_set_is_built_from_every_setting_and_the_smallest_tau():
-    code = OneBitCode(bits=3, lam=60.0, center="previous", refine="stochastic", top=512.0,
+    code = OneBitCode(bits=3, lam=60.0, center="inband", refine="stochastic", top=512.0,
                       a0=2.0, decay=1.5, loc_votes=7.0, base_share=0.3)  # fmt: skip
-    got = code.query_set(np.array([4.0, 2.5, 8.0]), 11)
-    geometry = make_geometry(60.0 / 2.5, top=512.0, a0=2.0, localize=False)
-    want = build_query_set(geometry, num_clients=11, bits=3, refine="stochastic", decay=1.5,
+    got = code.query_set(np.array([4.0, 2.5, 8.0]), 60)
+    geometry = make_geometry(60.0 / 2.5, top=512.0, a0=2.0, localize=True)
+    want = build_query_set(geometry, num_clients=60, bits=3, refine="stochastic", decay=1.5,
                            loc_votes=7.0, base_share=0.3)  # fmt: skip
-    assert got.geometry == geometry
+    assert got.geometry == geometry and len(geometry.periods) > 1  # lambda / tau sets them
     np.testing.assert_array_equal(got.cuts, want.cuts)
     np.testing.assert_array_equal(got.kind, want.kind)
     np.testing.assert_array_equal(got.inclusion, want.inclusion)
