@@ -175,7 +175,7 @@ EXTRA_SCOPES: tuple[Scope, ...] = (
     Scope(
         name="onebit",
         files=("fedcomp/onebit/code.py", "fedcomp/onebit/decode.py"),
-        tests=("tests/test_onebit.py",),
+        tests=("tests/test_onebit.py", "tests/test_onebit_invariants.py"),
         summary="experiments/results/mutation_onebit.md",
         triage="experiments.mutation_triage_onebit",
         deselect=tuple(
@@ -185,6 +185,10 @@ EXTRA_SCOPES: tuple[Scope, ...] = (
                 "test_unbiased_given_the_center_with_client_weights",
                 "test_median_of_means_decodes_close_to_the_mean",
                 "test_every_client_gets_b_distinct_queries_with_the_planned_inclusion",
+                "test_median_of_means_around_a_side_center_adds_the_center_back",
+                "test_client_and_server_processes_regenerate_the_same_assignment",
+                "test_mse_at_n_1000_df_4_meets_the_reference_study",
+                "test_wrong_tau_degrades_gracefully",
             )
         ),
         left_out=(
@@ -192,7 +196,14 @@ EXTRA_SCOPES: tuple[Scope, ...] = (
             "clients, 21 s; unbiased given the center with weights, 21 s; median of "
             "means, 11 s; b distinct queries with the planned inclusion, 8.5 s: 61 s of "
             "the file's 74 s measured with --durations on the loaded machine, re-run by "
-            "every surviving mutant)"
+            "every surviving mutant); and, after a first run with the rest of the file "
+            "was stopped at 334 of 1697 mutants (projected past an hour with one worker "
+            "on the shared machine), four more: median of means around a side center "
+            "(5.6 s in mutmut's stats, 32 s measured under load), the client and server "
+            "processes' assignment (2.5 s; 13 s: it starts processes), the reference "
+            "study's error at n = 1000 (1.0 s; 7.8 s) and a wrong tau (2 x 2 s; 2 x 6.5 s); "
+            "tests/test_onebit_invariants.py holds the decoder to the run-sum decoder and "
+            "its groups to each group decoded alone instead"
         ),
     ),
 )

@@ -575,3 +575,114 @@ def test_random_subset_refuses_more_indices_than_there_are() -> None:
     assert random_subset(1, 5, 5).tolist() == [0, 1, 2, 3, 4]
     with pytest.raises(ValueError, match=r"^cannot pick 6 of 5 indices$"):
         random_subset(1, 5, 6)
+
+
+# ----------------------------------------------------------------------- compiled path
+
+
+@pytest.fixture
+def kernels_as_python(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The encoders' compiled path on a small tensor, its kernels run as Python.
+
+    The path's own code in fedcomp/codecs/quantizers.py (which arrays and scalars it
+    hands the kernels) is otherwise reached only by tensors of 2^16 coordinates or more
+    with Numba, whose compilation (about 10 s) is too slow for a fast test. The kernel
+    bodies are plain Python over NumPy scalars once ``numba.prange`` is ``range``;
+    tests/test_codecs_compiled.py checks them compiled. Yields the kernels' calls.
+    """
+    import contextlib
+    from types import SimpleNamespace
+
+    from fedcomp import compiled
+    from fedcomp.codecs import quantize_compiled as qc
+
+    calls: list[str] = []
+
+    def logged(kernel):
+        def run(*args):
+            calls.append(kernel.__name__)
+            return kernel(*args)
+
+        return run
+
+    python = {"_block_amax": logged(qc._block_amax), "_dither_pack": logged(qc._dither_pack)}
+    monkeypatch.setattr(qc, "MIN_COMPILED", 0)
+    monkeypatch.setattr(qc.KERNELS, "available", lambda: True)
+    monkeypatch.setattr(qc, "_kernels", lambda: python)
+    monkeypatch.setattr(qc, "numba", SimpleNamespace(prange=range))
+    monkeypatch.setattr(compiled, "parallel_region", contextlib.nullcontext)
+    return calls
+
+
+def _blocks_of_every_kind(block: int, seed: int) -> torch.Tensor:
+    """Blocks of 0, of -0, of norm below 1, and heavy-tailed ones over decades; a last
+    partial block."""
+    gen = np.random.default_rng(seed)
+    n = 9 * block + 3
+    x = gen.standard_t(3, n) * np.geomspace(1e-2, 1e2, n)
+    x[:block], x[block : 2 * block] = 0.0, -0.0
+    x[2 * block : 3 * block] = gen.uniform(-0.1, 0.1, block)
+    return torch.from_numpy(x.astype(np.float32))
+
+
+def _torch_then_compiled(codec, x: torch.Tensor, seed: int, monkeypatch) -> tuple[bytes, bytes]:
+    """The payload's bytes on the torch path, then on the compiled one."""
+    from fedcomp.codecs import quantize_compiled as qc
+
+    compiled_bytes = bytes(codec.encode(x, seed=seed))
+    with monkeypatch.context() as patch:
+        patch.setattr(qc, "MIN_COMPILED", 1 << 62)
+        return bytes(codec.encode(x, seed=seed)), compiled_bytes
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"name": "uniform", "bits": 1, "block": 7},
+        {"name": "uniform", "bits": 3, "block": 7},
+        {"name": "dither", "bits": 8, "block": 5},
+        {"name": "qsgd", "levels": 1, "block": 7},
+        {"name": "qsgd", "levels": 16, "block": 5},
+    ],
+    ids=lambda s: f"{s['name']}-{s.get('bits', s.get('levels'))}",
+)
+def test_the_compiled_path_sends_the_torch_paths_bytes(
+    spec: dict, kernels_as_python: list[str], monkeypatch
+) -> None:
+    """The same block scales, dithers and packed codes on both paths, whatever the
+    block's kind (a zero block's code is the middle level, a block of norm below 1 is
+    coded like any other)."""
+    codec = _codec(spec)
+    x = _blocks_of_every_kind(spec["block"], seed=len(spec) + spec["block"])
+    torch_bytes, compiled_bytes = _torch_then_compiled(codec, x, 21, monkeypatch)
+    assert compiled_bytes == torch_bytes
+    # the kernels ran once per encode on the compiled path only (qsgd's norms are torch's)
+    want = ["_dither_pack"] if spec["name"] == "qsgd" else ["_block_amax", "_dither_pack"]
+    assert kernels_as_python == want
+
+
+@pytest.mark.usefixtures("kernels_as_python")
+@pytest.mark.parametrize("name", ["uniform", "qsgd"])
+def test_the_compiled_path_refuses_nan_naming_the_codec(name: str) -> None:
+    x = _x(20, seed=18)
+    x[13] = float("nan")
+    with pytest.raises(ValueError, match=f"^{name}: the update holds NaN or Inf values$"):
+        make_codec(name, block=8).encode(x, seed=0)
+
+
+def test_uniform_codes_of_a_half_precision_input_use_float32_scales() -> None:
+    """levels / 2s is taken in float32: rounded to float16 (11 bits) it moves x inv by up
+    to 2^-11 of a level, which changes some of 4096 codes at 8 bits."""
+    x = (_x(4096, seed=19) * 30).to(torch.float16)
+    codec = make_codec("uniform", bits=8, block=4096)
+    assert bytes(codec.encode(x, seed=4).body) == bytes(codec.encode(x.float(), seed=4).body)
+
+
+def test_an_unknown_inner_codec_id_is_refused_naming_the_stage_and_the_id() -> None:
+    from fedcomp.codecs.base import decode_inner
+    from fedcomp.codecs.wire import PayloadHeader
+
+    assert codec_class_by_id(249) is None
+    inner = Payload(PayloadHeader(codec_id=249, dtype=torch.float32, shape=(3,)), b"")
+    with pytest.raises(PayloadError, match=r"^rotate: unknown inner codec id 249$"):
+        decode_inner(inner, "rotate")
