@@ -15,7 +15,7 @@ So a round's socket bytes are, per direction d (pull, push)::
 
     sum over kinds of  messages * per_message[d] + objects * per_object[d]
                        + object_bytes * per_byte[d]
-    + idle_per_node_round * nodes
+    + idle_per_wait * pulled messages
 
 ``per_message`` is the message call (and the receipt of a pulled one), ``per_object``
 one object call plus the object's entry in the message's tree, ``per_byte`` the
@@ -68,11 +68,12 @@ class FramingModel:
 
     pull: Direction
     push: Direction
-    #: Polls and heartbeats of one SuperNode per round. A SuperNode polls (every 3 s)
-    #: only while it waits for a message, not while its ClientApp runs, so its idle
-    #: bytes follow the round's waiting time, which the counts do not hold: a mean
-    #: per round of the fitted runs (27-37 s rounds), not a rate per second.
-    idle_per_node_round: float
+    #: Polls and heartbeats per pulled message. A SuperNode polls (every 3 s) only
+    #: while it waits for a message, not while its ClientApp runs, and each message it
+    #: pulls ends one wait: a round with a separate evaluation makes each node wait
+    #: twice, one with evaluation inside the train round once. The waiting time itself
+    #: is not in the counts: a mean per wait of the fitted runs, not a rate per second.
+    idle_per_wait: float
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -85,7 +86,7 @@ class FramingModel:
             pull, push = (
                 Direction(**{k: float(v) for k, v in obj[d].items()}) for d in (PULL, PUSH)
             )
-            return cls(pull, push, float(obj["idle_per_node_round"]))
+            return cls(pull, push, float(obj["idle_per_wait"]))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"framing model {dict(obj)!r}: {type(exc).__name__}: {exc}") from exc
 
@@ -128,32 +129,31 @@ def traffic_socket_bytes(
     return total
 
 
+def pulled_messages(record: Mapping[str, Any]) -> int:
+    """The messages a round's SuperNodes pulled (instructions and queries): each ended
+    one wait, the polls and heartbeats before it."""
+    traffic = record.get("traffic") or {}
+    return sum(int(c["messages"]) for k, c in traffic.items() if direction_of(k) == PULL)
+
+
 def round_socket_bytes(
-    model: FramingModel, record: Mapping[str, Any], nodes: int, *, fp32: bool = False
+    model: FramingModel, record: Mapping[str, Any], *, fp32: bool = False
 ) -> float | None:
-    """A results.json round's modelled socket bytes: its messages plus ``nodes``
-    SuperNodes' idle calls (None: no object counts)."""
+    """A results.json round's modelled socket bytes: its messages plus the idle calls
+    of the waits they ended (None: no object counts)."""
     moved = traffic_socket_bytes(model, record.get("traffic") or {}, fp32=fp32)
     if moved is None or not record.get("traffic"):
         return None
-    return moved + model.idle_per_node_round * nodes
-
-
-def run_nodes(results: Mapping[str, Any]) -> int:
-    """SuperNodes of a run: those counted at the socket on a deployment, else every
-    client (each one a SuperNode that polls)."""
-    sock = results.get("socket")
-    return int(sock["counted_nodes"]) if sock else int(results["config"]["num_clients"])
+    return moved + model.idle_per_wait * pulled_messages(record)
 
 
 def run_socket_bytes(model: FramingModel, results: Mapping[str, Any]) -> dict[str, int | None]:
     """A run's modelled socket bytes over its rounds, and its fp32 reference's (the
     model applied to the reference's objects and bytes); None when a round has no
     object counts."""
-    nodes = run_nodes(results)
     out: dict[str, int | None] = {}
     for key, fp32 in (("socket_bytes", False), ("fp32_socket_bytes", True)):
-        per_round = [round_socket_bytes(model, r, nodes, fp32=fp32) for r in results["rounds"]]
+        per_round = [round_socket_bytes(model, r, fp32=fp32) for r in results["rounds"]]
         out[key] = None if not per_round or None in per_round else round(sum(per_round))  # type: ignore[arg-type]
     return out
 
@@ -187,16 +187,15 @@ def with_socket_rounds(run: Mapping[str, Any], model: FramingModel) -> dict[str,
     """A copy of ``run`` whose rounds also hold their modelled socket bytes and their
     fp32 reference's (when the round has object counts) and, on a deployment whose
     connections were parsed, the measured ones."""
-    nodes = run_nodes(run)
     sock = run.get("socket") or {}
     measured = {} if sock.get("opaque_connections", 1) else {r["round"]: r for r in sock["rounds"]}
     rounds = []
     for rec in run["rounds"]:
         extra: dict[str, int] = {}
-        modelled = round_socket_bytes(model, rec, nodes)
+        modelled = round_socket_bytes(model, rec)
         if modelled is not None:
             extra[SOCKET_MODEL] = round(modelled)
-            extra[FP32_SOCKET_MODEL] = round(round_socket_bytes(model, rec, nodes, fp32=True) or 0)
+            extra[FP32_SOCKET_MODEL] = round(round_socket_bytes(model, rec, fp32=True) or 0)
         if rec["round"] in measured:
             extra[SOCKET_MEASURED] = int(measured[rec["round"]]["socket_bytes"])
         rounds.append({**rec, **extra})
@@ -303,12 +302,12 @@ def fit_calls(samples: CallSamples) -> tuple[Direction, Direction]:
 
 
 def idle_rate(rounds: Iterable[tuple[int, int]]) -> float:
-    """Idle bytes per SuperNode per round over ``(idle bytes, nodes)`` rounds."""
+    """Idle bytes per wait over ``(idle bytes, pulled messages)`` rounds."""
     rounds = list(rounds)
-    node_rounds = sum(n for _, n in rounds)
-    if node_rounds <= 0:
-        raise ValueError(f"idle rounds {rounds}: no node-rounds to divide the idle bytes by")
-    return sum(b for b, _ in rounds) / node_rounds
+    waits = sum(n for _, n in rounds)
+    if waits <= 0:
+        raise ValueError(f"idle rounds {rounds}: no pulled messages to divide the idle bytes by")
+    return sum(b for b, _ in rounds) / waits
 
 
 def _run_files(run_dir: Path) -> tuple[dict[str, Any], Path]:
@@ -327,8 +326,10 @@ def fit(run_dirs: Sequence[Path]) -> FramingModel:
     for run_dir in run_dirs:
         results, log = _run_files(run_dir)
         rows += read_socket_log(log)[0]
-        nodes = results["socket"]["counted_nodes"]
-        idle += [(sock["idle_bytes"], nodes) for sock in results["socket"]["rounds"]]
+        idle += [
+            (sock["idle_bytes"], pulled_messages(rec))
+            for rec, sock in zip(results["rounds"], results["socket"]["rounds"], strict=True)
+        ]
     pull, push = fit_calls(call_samples(rows))
     return FramingModel(pull, push, idle_rate(idle))
 
@@ -341,12 +342,11 @@ def fit(run_dirs: Sequence[Path]) -> FramingModel:
 def check_run(model: FramingModel, results: Mapping[str, Any]) -> list[dict[str, Any]]:
     """Per round of a deployment run: measured and modelled socket bytes, and the
     residual (modelled / measured - 1)."""
-    nodes = run_nodes(results)
     out = []
     for rec, sock in zip(results["rounds"], results["socket"]["rounds"], strict=True):
-        modelled = round_socket_bytes(model, rec, nodes)
+        modelled = round_socket_bytes(model, rec)
         measured = int(sock["socket_bytes"])
-        idle = model.idle_per_node_round * nodes
+        idle = model.idle_per_wait * pulled_messages(rec)
         moved = measured - int(sock["idle_bytes"])  # the calls that moved messages
         out.append(
             {
@@ -370,7 +370,7 @@ def _fmt_model(model: FramingModel) -> list[str]:
     for name in (PULL, PUSH):
         d = getattr(model, name)
         lines.append(f"| {name} | {d.per_message:,.1f} | {d.per_object:,.1f} | {d.per_byte:.4f} |")
-    lines.append(f"\nidle: {model.idle_per_node_round:,.1f} B per SuperNode per round")
+    lines.append(f"\nidle: {model.idle_per_wait:,.1f} B per wait (per pulled message)")
     return lines
 
 

@@ -240,6 +240,11 @@ def run_server(
         fmt(s["ratio_vs_fp32_wire"]),
         s["wall_s"],
     )
+    if settings.codec.get("name") != "fp32":
+        log.info(
+            "the fp32 FedAvg baseline of this job: the same command with recipe=fedavg "
+            "(make run RUN_ARGS=recipe=fedavg)"
+        )
     if s["rounds_without_accepted_reply"]:
         log.warning(
             "%d of %d rounds accepted no reply: the model did not change in them",

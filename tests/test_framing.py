@@ -200,7 +200,7 @@ def test_a_fit_without_two_different_sizes_says_so() -> None:
         fit_calls(call_samples(rows))
 
 
-def test_a_rounds_modelled_bytes_add_its_kinds_and_its_idle_time() -> None:
+def test_a_rounds_modelled_bytes_add_its_kinds_and_a_wait_per_pulled_message() -> None:
     from experiments.framing import Direction, FramingModel, round_socket_bytes, run_socket_bytes
 
     model = FramingModel(Direction(2000, 1000, 1.0), Direction(1500, 1100, 1.0), 100.0)
@@ -223,10 +223,10 @@ def test_a_rounds_modelled_bytes_add_its_kinds_and_its_idle_time() -> None:
     record = {"round": 1, "traffic": traffic, "round_s": 10.0}
     pulled = 2 * 2000 + 8 * 1000 + 3000
     pushed = 2 * 1500 + 10 * 1100 + 5000
-    idle = 100.0 * 3
-    assert round_socket_bytes(model, record, nodes=3) == pytest.approx(pulled + pushed + idle)
+    idle = 100.0 * 2  # the two pulled instructions each ended a wait
+    assert round_socket_bytes(model, record) == pytest.approx(pulled + pushed + idle)
     fp32 = 2 * 2000 + 20 * 1000 + 90000 + 2 * 1500 + 20 * 1100 + 90000 + idle
-    assert round_socket_bytes(model, record, nodes=3, fp32=True) == pytest.approx(fp32)
+    assert round_socket_bytes(model, record, fp32=True) == pytest.approx(fp32)
     results = {"config": {"num_clients": 3}, "rounds": [record, {**record, "round": 2}]}
     assert run_socket_bytes(model, results) == {
         "socket_bytes": round(2 * (pulled + pushed + idle)),
@@ -234,7 +234,7 @@ def test_a_rounds_modelled_bytes_add_its_kinds_and_its_idle_time() -> None:
     }
     # A file written before objects were counted: the model has nothing to say.
     old = {k: {f: v for f, v in c.items() if "objects" not in f} for k, c in traffic.items()}
-    assert round_socket_bytes(model, {**record, "traffic": old}, nodes=3) is None
+    assert round_socket_bytes(model, {**record, "traffic": old}) is None
 
 
 def test_kinds_travel_the_way_flower_moves_them() -> None:
@@ -244,7 +244,7 @@ def test_kinds_travel_the_way_flower_moves_them() -> None:
     assert direction_of("evaluate_instruction") == direction_of("identity_query") == PULL
     with pytest.raises(ValueError, match="'gossip'"):
         direction_of("gossip")
-    with pytest.raises(ValueError, match="idle_per_node_round"):
+    with pytest.raises(ValueError, match="idle_per_wait"):
         FramingModel.from_json(
             {
                 "pull": {"per_message": 1, "per_object": 1, "per_byte": 1},
