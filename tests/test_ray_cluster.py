@@ -84,6 +84,7 @@ def _where_client_tasks_ran(address: str) -> dict[str, int]:
         ray.shutdown()
 
 
+@pytest.mark.slow  # a two-node Ray cluster: the heaviest test (make test-slow runs it)
 def test_a_simulation_runs_its_clients_on_both_nodes_of_a_cluster(cluster) -> None:
     settings = settings_from_dict(
         {
@@ -108,6 +109,7 @@ def test_a_simulation_runs_its_clients_on_both_nodes_of_a_cluster(cluster) -> No
     assert sum(ran.values()) >= 4
 
 
+@pytest.mark.slow  # the same two-node cluster fixture
 def test_a_cluster_without_the_resources_a_client_needs_is_refused(cluster) -> None:
     settings = settings_from_dict(
         {"simulation": {"ray_address": cluster.address, "cpus_per_client": 2.0}}
