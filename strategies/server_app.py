@@ -242,8 +242,10 @@ def run_server(
     )
     if settings.codec.get("name") != "fp32":
         log.info(
-            "the fp32 FedAvg baseline of this job: the same command with recipe=fedavg "
-            "(make run RUN_ARGS=recipe=fedavg)"
+            "fp32 FedAvg on the same job: add recipe=fedavg num_rounds=%d to your other "
+            "settings (make run RUN_ARGS='recipe=fedavg num_rounds=%d')",
+            settings.num_rounds,
+            settings.num_rounds,
         )
     if s["rounds_without_accepted_reply"]:
         log.warning(
