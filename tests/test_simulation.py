@@ -228,8 +228,8 @@ def test_paired_report_and_plot_on_a_tiny_sweep(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_the_main_job_reaches_the_fp32_baselines_accuracy_with_fewer_bytes() -> None:
-    """`make run`'s job, end to end through Hydra and Ray: the recommended recipe for 20
-    rounds on 10 non-IID clients, against the config's fp32 FedAvg at 10 rounds."""
+    """`make run`'s job, end to end through Hydra and Ray: the recommended recipe on 10
+    non-IID clients, against the same job under fp32 FedAvg."""
     import re
 
     from hydra import compose, initialize_config_dir
@@ -241,7 +241,7 @@ def test_the_main_job_reaches_the_fp32_baselines_accuracy_with_fewer_bytes() -> 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         job = settings_from_cfg(compose(config_name="config", overrides=overrides))
     results = simulate(job)
-    baseline = simulate(Settings())  # fp32 FedAvg, 10 rounds
+    baseline = simulate(Settings(num_rounds=job.num_rounds))  # fp32 FedAvg
     assert all(r["failures"] == 0 for r in results["rounds"])
     assert results["summary"]["final_accuracy"] >= baseline["summary"]["final_accuracy"] - 0.01
     total = results["summary"]["total_wire_bytes"]
