@@ -13,11 +13,10 @@ from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.common.constant import FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
-from clients.client_app import make_client_app
 from experiments.inprocess import InProcessGrid, initial_arrays
 from fedcomp.settings import settings_from_dict
-from strategies.server_app import run_server
 from tests.test_traffic import _kind
+from tests.test_traffic import _run as _traffic_run
 
 
 def array_record_objects(  # Flower's chunking rule, written out here
@@ -41,18 +40,8 @@ def array_record_objects(  # Flower's chunking rule, written out here
 
 
 def _run(codec: dict, **overrides) -> tuple[dict, InProcessGrid]:
-    settings = settings_from_dict(
-        {
-            "num_clients": 4,
-            "num_rounds": 2,
-            "fraction_train": 0.5,
-            "fraction_evaluate": 0.5,
-            "codec": codec,
-            **overrides,
-        }
-    )
-    grid = InProcessGrid(make_client_app(), settings.num_clients)
-    return run_server(grid, settings), grid
+    """test_traffic's two-round run, on 4 clients."""
+    return _traffic_run(codec, **{"num_clients": 4, **overrides})
 
 
 def _objects_by_round(grid: InProcessGrid) -> dict[int, dict[str, int]]:
