@@ -612,6 +612,8 @@ def _interrupted_once_running(run_dir: Path, overrides: list[str], timeout: floa
     return proc.returncode, "".join(lines) + rest
 
 
+@pytest.mark.deployment
+@pytest.mark.slow  # make deploy-test runs it; kept out of make test's 10 minutes
 def test_ctrl_c_stops_every_process_and_exits_130(tmp_path: Path) -> None:
     code, log = _interrupted_once_running(tmp_path / "run", JOB_OVERRIDES, timeout=120)
     assert code == 130, log[-3000:]
@@ -622,6 +624,7 @@ def test_ctrl_c_stops_every_process_and_exits_130(tmp_path: Path) -> None:
 
 
 @pytest.mark.deployment
+@pytest.mark.slow  # make deploy-test runs it; kept out of make test's 10 minutes
 def test_port_in_use_on_the_command_line_exits_1_naming_the_component(tmp_path: Path) -> None:
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

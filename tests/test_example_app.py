@@ -131,6 +131,7 @@ app = ClientApp(mods=[_truncate_partition_0, CompressionMod()])
 
 
 @pytest.mark.deployment
+@pytest.mark.slow  # make deploy-test runs it (the same checks run in-process in make test)
 def test_a_truncated_payload_through_a_real_superlink_is_one_clients_failure(
     tmp_path: Path,
 ) -> None:
