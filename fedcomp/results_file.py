@@ -305,6 +305,12 @@ def validate_results(obj: Any) -> dict[str, Any]:
     _check_fields(obj.get("summary"), SUMMARY_FIELDS, "summary")
     if "socket" in obj:
         _check_socket(obj["socket"])
+    if "machine" in obj:  # fedcomp.machine: every field a string
+        machine = obj["machine"]
+        if not isinstance(machine, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in machine.items()
+        ):
+            raise ResultsError(f"machine: {machine!r:.120} is not an object of strings")
     return dict(obj)
 
 

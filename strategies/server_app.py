@@ -27,6 +27,7 @@ from fedcomp.failures import RunFailed
 from fedcomp.flower.options import IdentityOptions, ServerOptions
 from fedcomp.flower.round_records import fmt
 from fedcomp.flower.strategy import CompressedStrategy
+from fedcomp.machine import machine_record
 from fedcomp.models import build_model
 from fedcomp.observers import Reporting
 from fedcomp.progress import ProgressReporter
@@ -223,6 +224,7 @@ def run_server(
         progress.close()
     rounds = strategy.rounds
     results = build_results(settings_to_dict(settings), rounds, wall_s=time.perf_counter() - t0)
+    results["machine"] = machine_record()  # what the trajectory may depend on besides the code
     initial_eval = strategy.book.initial_evaluation or {}
     results["summary"]["initial_accuracy"] = initial_eval.get("accuracy")
     s = results["summary"]
