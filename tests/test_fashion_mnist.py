@@ -354,3 +354,27 @@ def test_niid_partitions_cover_the_training_rows_of_any_dataset(name) -> None:
     parts = partition_indices(s)
     np.testing.assert_array_equal(np.sort(np.concatenate(parts)), train_rows)
     assert not np.intersect1d(np.concatenate(parts), test_rows).size
+
+
+def test_the_leaderboard_presets_run_fedprox_and_compressed_recipes_on_fashion_mnist(
+    tmp_path,
+) -> None:
+    """leaderboard_fmnist's smoke size on a small IDX fixture: FedAvg and FedProx in fp32
+    (FedProx's clients get its proximal mu), 1-bit EDEN both ways far below fp32's bytes;
+    the full presets sweep 9 recipes x 3 seeds on each label-skew partition."""
+    path = write_fashion_mnist(tmp_path, "gz", train=600, test=100)
+    runs = {
+        (s.strategy["name"], s.codec["name"]): s
+        for s in preset_settings("leaderboard_fmnist_smoke", f"dataset.path={path}")
+    }
+    assert set(runs) == {("fedavg", "fp32"), ("fedprox", "fp32"), ("fedavg", "eden")}
+    assert runs["fedprox", "fp32"].strategy["proximal_mu"] == 0.01
+    results = {key: run_inprocess(s) for key, s in runs.items()}
+    fp32 = results["fedavg", "fp32"]["summary"]["total_wire_bytes"]
+    assert results["fedavg", "eden"]["summary"]["total_wire_bytes"] * 10 < fp32
+    for name, partition in (("leaderboard_fmnist", "niid_labeldir"),
+                            ("leaderboard_fmnist_labels", "niid_labels")):  # fmt: skip
+        full = preset_settings(name)
+        assert len(full) == 9 * 3 and {s.partition.name for s in full} == {partition}
+        assert {s.dataset.name for s in full} == {"fashion_mnist"}
+        assert sum(s.strategy["name"] == "fedprox" for s in full) == 3
