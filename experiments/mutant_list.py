@@ -60,8 +60,8 @@ MUTANTS = (
         "traffic-misses-evaluate",
         "evaluate instructions are not counted",
         "fedcomp/flower/accounting.py",
-        "    wire = wire_bytes(msg)\n",
-        "    wire = wire_bytes(msg)\n"
+        "    wire, objects = wire_and_objects(msg)\n",
+        "    wire, objects = wire_and_objects(msg)\n"
         "    if kind == Kind.EVALUATE_INSTRUCTION:\n"
         "        return wire\n",
         ("tests/test_traffic.py",),
@@ -438,8 +438,8 @@ MUTANTS = (
         "fp32-reference-keeps-the-compact-content",
         "a train reply's fp32 reference does not subtract the compact content it replaces",
         "fedcomp/flower/round_records.py",
-        "            - wire_bytes(item.message.content)\n",
-        "",
+        'row["uplink_wire_bytes"] - content_wire + int(',
+        'row["uplink_wire_bytes"] + int(',
         ("tests/test_pipeline_inprocess.py",),
     ),
 )

@@ -42,6 +42,14 @@ def wire_bytes(obj: Message | RecordDict) -> int:
         return sum(len(o.deflate()) for o in get_all_nested_objects(obj).values())
 
 
+def wire_and_objects(obj: Message | RecordDict) -> tuple[int, int]:
+    """:func:`wire_bytes` and :func:`object_count` of ``obj`` from one walk of its
+    objects (what every counted message needs)."""
+    with no_object_id_recompute():
+        objects = get_all_nested_objects(obj)
+        return sum(len(o.deflate()) for o in objects.values()), len(objects)
+
+
 def object_count(obj: Message | RecordDict) -> int:
     """How many distinct Flower objects ``obj`` is, itself included: what Flower pushes
     or pulls one call each (identical objects, e.g. equal chunks, once)."""
@@ -64,14 +72,14 @@ def measure_and_record(
     same message under fp32 both ways (None: the message is its own reference, e.g.
     an evaluate reply or an error).
     """
-    wire = wire_bytes(msg)
+    wire, objects = wire_and_objects(msg)
     traffic.add(
         kind,
         record_bytes=0 if msg.has_error() else record_bytes(msg.content),
         wire_bytes=wire,
         fp32_wire_bytes=fp32_wire_bytes,
         client=client,
-        objects=object_count(msg),
+        objects=objects,
         fp32_objects=fp32_objects,
     )
     return wire

@@ -17,7 +17,7 @@ from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 
 from fedcomp.codecs import Codec, decode_bytes
 from fedcomp.codecs.policy import encode_all
-from fedcomp.flower.accounting import object_count, wire_bytes
+from fedcomp.flower.accounting import wire_and_objects
 from fedcomp.flower.families import family_of
 from fedcomp.flower.families.base import Encoded, Instruction
 from fedcomp.flower.memory_state import MemoryState
@@ -109,6 +109,7 @@ def reply_metrics(
         reference = encode_all(fp32, instruction.policy, deltas, seeds)
         out[METRIC_FP32_CODEC_BYTES] = sum(len(b) for b in reference.values())
         if plain is not None:
-            out[METRIC_FP32_CONTENT_WIRE_BYTES] = wire_bytes(plain)
-            out[METRIC_FP32_CONTENT_OBJECTS] = object_count(plain)
+            wire, objects = wire_and_objects(plain)
+            out[METRIC_FP32_CONTENT_WIRE_BYTES] = wire
+            out[METRIC_FP32_CONTENT_OBJECTS] = objects
     return out

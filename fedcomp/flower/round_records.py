@@ -8,7 +8,7 @@ from typing import Any
 from flwr.app import MetricRecord
 
 from fedcomp.controlvariates import ControlVariateServer
-from fedcomp.flower.accounting import object_count, wire_bytes
+from fedcomp.flower.accounting import wire_and_objects
 from fedcomp.flower.round_state import Decoded
 from fedcomp.keys import (
     METRIC_CODEC_BYTES,
@@ -67,15 +67,14 @@ def account_reply(row: dict[str, Any], item: Decoded, metrics: MetricRecord, wei
             row[key.removeprefix("fedcomp.")] = float(metrics[key])
     if METRIC_REL_ERROR in metrics:
         row["codec_rel_error"] = float(metrics[METRIC_REL_ERROR])
+    content_wire, content_objects = wire_and_objects(item.message.content)
     if METRIC_FP32_CODEC_BYTES in metrics and METRIC_FP32_CONTENT_WIRE_BYTES in metrics:
         row["fp32_codec_bytes"] = int(metrics[METRIC_FP32_CODEC_BYTES])
         row["fp32_wire_bytes"] = (
-            row["uplink_wire_bytes"]
-            - wire_bytes(item.message.content)
-            + int(metrics[METRIC_FP32_CONTENT_WIRE_BYTES])
+            row["uplink_wire_bytes"] - content_wire + int(metrics[METRIC_FP32_CONTENT_WIRE_BYTES])
         )
     if METRIC_FP32_CONTENT_OBJECTS in metrics:  # the same for the objects
-        row["content_objects"] = object_count(item.message.content)
+        row["content_objects"] = content_objects
         row["fp32_content_objects"] = int(metrics[METRIC_FP32_CONTENT_OBJECTS])
 
 
