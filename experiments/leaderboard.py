@@ -2,16 +2,17 @@
 
     python -m experiments.report --leaderboard multirun/leaderboard_digits [--plot P.png]
 
-A recipe is one uplink codec and one downlink (the swept ``codec.*`` and ``downlink.*``
-settings); FedAvg is fp32 both ways. Each recipe's target is FedAvg's mean final
-accuracy over seeds minus ``tolerance`` (one point); for every seed, the bytes spent
-until the first round whose central accuracy reaches it are cumulated from the
-measured per-round counts: ``total_wire_bytes`` (every message of the round, both
-directions, evaluation included) and ``uplink_wire_bytes`` (train replies). A recipe
-is ranked by how many seeds reach the target, then by its median total bytes over
-them; its ratio is FedAvg's median bytes to the same target divided by its own.
-The same for the socket bytes (``experiments/framing.py``): modelled for every run
-from its messages, objects and object bytes, measured for deployment runs.
+A recipe is one uplink codec, one downlink and the server strategy (the swept
+``codec.*``, ``downlink.*`` and ``strategy.*`` settings: FedProx in fp32 is a recipe);
+FedAvg, the reference, is fp32 both ways with the FedAvg strategy. Each recipe's target
+is FedAvg's mean final accuracy over seeds minus ``tolerance`` (one point); for every
+seed, the bytes spent until the first round whose central accuracy reaches it are
+cumulated from the measured per-round counts: ``total_wire_bytes`` (every message of the
+round, both directions, evaluation included) and ``uplink_wire_bytes`` (train replies).
+A recipe is ranked by how many seeds reach the target, then by its median total bytes
+over them; its ratio is FedAvg's median bytes to the same target divided by its own. The
+same for the socket bytes (``experiments/framing.py``): modelled for every run from its
+messages, objects and object bytes, measured for deployment runs.
 """
 
 from __future__ import annotations
@@ -53,10 +54,26 @@ def spec_label(spec: dict[str, Any], usual: dict[str, Any] | None = None) -> str
     return f"{spec['name']}({', '.join(params)})" if params else str(spec["name"])
 
 
+#: The settings a recipe is made of; every other swept setting must be the same in all runs.
+RECIPE_PREFIXES = ("codec.", "downlink.", "strategy.")
+
+
+def _strategy(config: dict[str, Any]) -> dict[str, Any]:
+    return config.get("strategy") or {"name": "fedavg"}
+
+
 def recipe_label(config: dict[str, Any]) -> str:
-    """``up <codec> / down <downlink>`` from a run's settings."""
+    """``up <codec> / down <downlink>`` from a run's settings, then the strategy when it
+    is not FedAvg (``, strategy fedprox(proximal_mu=0.01)``)."""
     downlink = config.get("downlink", {"name": "fp32"})
-    return f"up {spec_label(config['codec'])} / down {spec_label(downlink, _USUAL)}"
+    label = f"up {spec_label(config['codec'])} / down {spec_label(downlink, _USUAL)}"
+    strategy = _strategy(config)
+    return label if strategy["name"] == "fedavg" else f"{label}, strategy {spec_label(strategy)}"
+
+
+def is_reference(run: dict[str, Any]) -> bool:
+    """FedAvg: fp32 both ways under the FedAvg strategy (FedProx in fp32 is not it)."""
+    return _is_fedavg(run) and _strategy(run["config"])["name"] == "fedavg"
 
 
 def _median(values: Sequence[int]) -> float | None:
@@ -75,10 +92,10 @@ def rank_recipes(runs: Sequence[dict[str, Any]], tolerance: float = 0.01) -> lis
     model = load_model()
     runs = [with_socket_rounds(r, model) for r in runs]
     keys, groups = group_runs(runs)
-    others = [k for k in keys if not k.startswith(("codec.", "downlink."))]
+    others = [k for k in keys if not k.startswith(RECIPE_PREFIXES)]
     if others:
         raise ValueError(f"the runs differ in {', '.join(others)}: select one setting (--only)")
-    fedavg = [r for r in runs if _is_fedavg(r)]
+    fedavg = [r for r in runs if is_reference(r)]
     if not fedavg:
         raise ValueError("no FedAvg run (fp32 both ways): the leaderboard needs the reference")
     target = float(np.mean([r["summary"]["final_accuracy"] for r in fedavg])) - tolerance
@@ -98,7 +115,8 @@ def rank_recipes(runs: Sequence[dict[str, Any]], tolerance: float = 0.01) -> lis
         entries.append(
             {
                 "recipe": recipe_label(members[0]["config"]),
-                "fedavg": all(_is_fedavg(m) for m in members),
+                "fedavg": all(is_reference(m) for m in members),
+                "compressed": not all(_is_fedavg(m) for m in members),
                 "seeds": len(members),
                 "reached": len(spent[TOTAL]),
                 "total_to_target": total,
@@ -165,7 +183,7 @@ def leaderboard(runs: Sequence[dict[str, Any]], tolerance: float = 0.01) -> str:
             f"| {_mb(e['socket_measured_to_target'])} | {_x(e['socket_measured_ratio'])} "
             f"| {e['final_mean']:.4f}{ci} | {e['wall_s']:.1f} |"
         )
-    every_seed = [e for e in entries if e["reached"] == e["seeds"] and not e["fedavg"]]
+    every_seed = [e for e in entries if e["reached"] == e["seeds"] and e["compressed"]]
     if every_seed:
         best = every_seed[0]
         best_up = max(every_seed, key=lambda e: e["uplink_ratio"] or 0.0)

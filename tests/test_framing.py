@@ -409,6 +409,36 @@ def test_the_leaderboard_ranks_socket_bytes_to_target_modelled_and_measured(monk
     assert "socket (model) MB to target" in text and "modelled from the run's fp32" in text
 
 
+def test_fedprox_in_fp32_is_a_recipe_and_not_the_fedavg_reference(monkeypatch) -> None:
+    """The strategy is part of a recipe: FedProx's fp32 runs neither set the target (FedAvg's
+    mean final accuracy minus a point) nor count as the best compressed recipe; any other
+    setting that differs between runs is still refused."""
+    import experiments.leaderboard as lb
+    from experiments.framing import Direction, FramingModel
+
+    model = FramingModel(Direction(100, 10, 1.0), Direction(100, 10, 1.0), 5.0)
+    monkeypatch.setattr(lb, "load_model", lambda: model)
+    fedavg = _hand_run("fp32", 10, 1000, [0.5, 0.9])
+    fedavg["config"]["strategy"] = {"name": "fedavg"}
+    fedprox = _hand_run("fp32", 10, 1000, [0.5, 0.6, 0.95])
+    fedprox["config"]["strategy"] = {"name": "fedprox", "proximal_mu": 0.01}
+    small = _hand_run("uniform", 3, 50, [0.5, 0.95])
+    small["config"]["strategy"] = {"name": "fedavg"}
+    entries = {e["recipe"]: e for e in lb.rank_recipes([fedavg, fedprox, small])}
+    prox = entries["up fp32 / down fp32, strategy fedprox(proximal_mu=0.01)"]
+    assert not prox["fedavg"] and not prox["compressed"]
+    assert prox["target"] == pytest.approx(0.9 - 0.01)  # (0.9 + 0.95) / 2 if it counted
+    assert prox["total_to_target"] == 3 * 2 * 1000 and prox["total_ratio"] == pytest.approx(2 / 3)
+    assert entries["up fp32 / down fp32"]["fedavg"]
+    text = lb.leaderboard([fedavg, fedprox, small])
+    assert "Best recipe reaching the target in every seed: up uniform / down fp32," in text
+    only_fp32 = lb.leaderboard([fedavg, fedprox])
+    assert "No compressed recipe reached the target in every seed." in only_fp32
+    fedprox["config"]["num_clients"] = 2
+    with pytest.raises(ValueError, match="num_clients"):
+        lb.rank_recipes([fedavg, fedprox])
+
+
 def test_the_report_shows_socket_bytes_modelled_and_measured_with_their_fp32_ratios() -> None:
     from experiments.framing import Direction, FramingModel, socket_summary
 
