@@ -372,6 +372,14 @@ def test_the_leaderboard_presets_run_fedprox_and_compressed_recipes_on_fashion_m
     results = {key: run_inprocess(s) for key, s in runs.items()}
     fp32 = results["fedavg", "fp32"]["summary"]["total_wire_bytes"]
     assert results["fedavg", "eden"]["summary"]["total_wire_bytes"] * 10 < fp32
+    # the leaderboard ranks the three: FedProx is a recipe, FedAvg alone the reference
+    from experiments.leaderboard import rank_recipes
+
+    entries = {e["recipe"]: e for e in rank_recipes(list(results.values()))}
+    assert [e["fedavg"] for e in entries.values()].count(True) == 1
+    assert entries["up fp32 / down fp32"]["fedavg"]
+    final = results["fedavg", "fp32"]["summary"]["final_accuracy"]
+    assert [e["target"] for e in entries.values()] == [pytest.approx(final - 0.01)] * 3
     for name, partition in (("leaderboard_fmnist", "niid_labeldir"),
                             ("leaderboard_fmnist_labels", "niid_labels")):  # fmt: skip
         full = preset_settings(name)
