@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.fedcomp-installed
 export FLWR_TELEMETRY_ENABLED := 0
 export FLWR_HOME := $(CURDIR)/.flwr
 
-.PHONY: run test test-slow deploy-test lint data bench bench-scale bench-dme leaderboard fuzz mutants mutation wheel clean
+.PHONY: run test test-slow deploy-test lint data bench bench-scale bench-dme leaderboard leaderboard-fmnist fuzz mutants mutation wheel clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -67,12 +67,22 @@ bench: $(STAMP)
 	$(PY) -m experiments.bench_entropy --out experiments/results/bench_entropy.md
 	$(PY) -m experiments.bench_aggregation --out experiments/results/bench_aggregation.md
 
-## leaderboard: every recipe on digits (3 seeds, about 15 minutes on 2 cores, in-process),
+## leaderboard: every recipe on digits (3 seeds, about 25 minutes on 2 cores, in-process),
 ## ranked by total bytes to FedAvg's accuracy; summary and plot in experiments/results/
 leaderboard: $(STAMP)
 	$(PY) -m experiments.presets leaderboard_digits
 	$(PY) -m experiments.report --leaderboard multirun/leaderboard_digits \
 	    --plot experiments/results/leaderboard_digits.png --out experiments/results/leaderboard_digits.md
+
+## leaderboard-fmnist: 9 recipes x 3 seeds on Fashion-MNIST under each of NIID-Bench's label
+## skews (Dirichlet 0.5; two labels per client), about 1 hour each on 2 cores (needs
+## `make data`); tables and plots in multirun/leaderboard_fmnist{,_labels}/
+leaderboard-fmnist: $(STAMP)
+	status=0; for p in leaderboard_fmnist leaderboard_fmnist_labels; do \
+	    $(PY) -m experiments.presets $$p --skip-done || status=1; \
+	    $(PY) -m experiments.report --leaderboard multirun/$$p \
+	        --plot multirun/$$p/leaderboard.png --out multirun/$$p/leaderboard.md || exit 1; \
+	done; exit $$status
 
 ## bench-scale: the server with 100 and 1,000 replies of a ResNet-18-sized model (real
 ## mod and wrapper, no Ray): aggregation time and peak memory against the replies' size
