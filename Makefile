@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 ## run: set up, then the main job (a simulation on the embedded digits dataset)
-# The main job: the recipe the digits leaderboard recommends (1-bit EDEN both ways: the
+# The main job: the recipe the leaderboards recommend (1-bit EDEN both ways: the
 # best over every seed) on the embedded digits, its ratio against fp32 measured on its
 # own messages; `make run RUN_ARGS='recipe=fedavg num_rounds=10'` runs the fp32 FedAvg
 # baseline of the same job.
