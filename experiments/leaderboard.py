@@ -32,10 +32,10 @@ from experiments.framing import (
     with_socket_rounds,
 )
 from experiments.report import (
-    _is_fedavg,
     accuracy_plot,
     bytes_to_reach,
     group_runs,
+    is_fp32_both_ways,
     t_half_width,
 )
 
@@ -73,7 +73,7 @@ def recipe_label(config: dict[str, Any]) -> str:
 
 def is_reference(run: dict[str, Any]) -> bool:
     """FedAvg: fp32 both ways under the FedAvg strategy (FedProx in fp32 is not it)."""
-    return _is_fedavg(run) and _strategy(run["config"])["name"] == "fedavg"
+    return is_fp32_both_ways(run) and _strategy(run["config"])["name"] == "fedavg"
 
 
 def _median(values: Sequence[int]) -> float | None:
@@ -116,7 +116,7 @@ def rank_recipes(runs: Sequence[dict[str, Any]], tolerance: float = 0.01) -> lis
             {
                 "recipe": recipe_label(members[0]["config"]),
                 "fedavg": all(is_reference(m) for m in members),
-                "compressed": not all(_is_fedavg(m) for m in members),
+                "compressed": not all(is_fp32_both_ways(m) for m in members),
                 "seeds": len(members),
                 "reached": len(spent[TOTAL]),
                 "total_to_target": total,

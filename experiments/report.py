@@ -213,8 +213,10 @@ def group_runs(runs: Sequence[dict[str, Any]]) -> tuple[list[str], dict[tuple, l
 _METHOD_PREFIXES = ("codec.", "downlink.")
 
 
-def _is_fedavg(run: dict[str, Any]) -> bool:
-    """fp32 both ways: the reference every method's target and ratio refer to."""
+def is_fp32_both_ways(run: dict[str, Any]) -> bool:
+    """fp32 both ways: within one setting (strategy included), the reference every
+    method's target and ratio refer to (the leaderboard, where the strategy is part of
+    a recipe, also asks for FedAvg's: ``experiments.leaderboard.is_reference``)."""
     downlink = run["config"].get("downlink", {"name": "fp32"})
     return run["config"]["codec"]["name"] == "fp32" and downlink.get("name") == "fp32"
 
@@ -231,7 +233,7 @@ def targets_by_setting(
         return {_group_key(run, setting_keys): target for run in runs}
     finals: dict[tuple, list[float]] = {}
     for run in runs:
-        if _is_fedavg(run):
+        if is_fp32_both_ways(run):
             finals.setdefault(_group_key(run, setting_keys), []).append(
                 run["summary"]["final_accuracy"]
             )
