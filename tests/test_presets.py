@@ -280,7 +280,7 @@ def test_cifar_resnet18_round_keeps_batchnorm_counters_exact(data_fixtures) -> N
             "train": {"local_epochs": 1, "batch_size": 16},
         }
     )
-    grid = InProcessGrid(make_client_app(), 2, node_ids=[1, 2])
+    grid = InProcessGrid(make_client_app(paths=paths_of(s)), 2, node_ids=[1, 2])
     results = run_server(grid, s)
     assert all((r["replied"], r["failures"]) == (2, 0) for r in results["rounds"])
     per_tensor = results["rounds"][0]["codec"]["per_tensor"]
