@@ -87,7 +87,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--skip-done", action="store_true", help="keep existing results")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    runs = preset_settings(args.name, *args.overrides)
+    try:
+        runs = preset_settings(args.name, *args.overrides)
+    except ValueError as exc:  # a bad setting: one line naming key, value and what is allowed
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     out_dir = args.out_dir or Path(sweep_axes(args.name)[1])
     t0 = time.perf_counter()
     failed = 0

@@ -503,3 +503,15 @@ def test_client_state_disk_needs_a_directory() -> None:
         preset_settings("cross_device_smoke", "client_state=disk")
     with pytest.raises(ValueError, match=r"client_state.*allowed: memory, disk"):
         preset_settings("cross_device_smoke", "client_state=ram")
+
+
+def test_a_preset_with_a_bad_setting_fails_in_one_line_before_any_run(capsys, tmp_path) -> None:
+    """The sweep tool, like experiments.run, refuses a bad setting before anything runs,
+    in one line naming the key, the value and what is allowed."""
+    from experiments.presets import main
+
+    out = tmp_path / "sweep"
+    assert main(["leaderboard_digits_smoke", "train.lr=0.0", "--out-dir", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: invalid setting train.lr=0.0: must be > 0"
+    assert not out.exists()
