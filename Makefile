@@ -93,7 +93,8 @@ bench-scale: $(STAMP)
 bench-dme: $(STAMP)
 	$(PY) -m experiments.bench_dme --out experiments/results/bench_dme.md
 
-## fuzz: 10^4 cases per decoder under a memory cap (a derandomized sample runs in
+## fuzz: 10^4 cases per decoder and for a reply's metric fields (fedcomp's own, the pre-train
+## evaluation) under a memory cap (a derandomized sample runs in
 ## `make test`); prints its seed (replay with FUZZ_SEED=N), cases per decoder, wall time
 fuzz: $(STAMP)
 	@seed=$${FUZZ_SEED:-$$(od -An -N4 -tu4 /dev/urandom | tr -d ' ')}; \

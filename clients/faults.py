@@ -25,6 +25,7 @@ from flwr.common.constant import ErrorCode
 from fedcomp.flower.identity import stable_id_of
 from fedcomp.flower.reply_format import payloads_of, replace_payloads
 from fedcomp.flower.shared_settings import held_task
+from fedcomp.injected import KINDS, draw_fault
 from fedcomp.keys import (
     FAULT_REASON_PREFIX,
     KEY_PAYLOADS,
@@ -32,23 +33,10 @@ from fedcomp.keys import (
     KEY_RUN_SEED,
     RECORD_HEADER,
 )
-from fedcomp.rng import numpy_generator
 
-#: Fault kinds in the order their probability intervals are laid out.
-KINDS = ("drop_reply", "crash_client", "corrupt_payload", "nan_update")
-#: Error reasons contain this, then the kind, so the server counts injected faults.
+#: Error reasons contain this, then the kind (for the logs; the server counts a fault
+#: by its own draw, fedcomp.injected, not by this text).
 REASON_PREFIX = FAULT_REASON_PREFIX
-
-
-def draw_fault(rates: dict[str, float], run_seed: int, server_round: int, stable_id: int):
-    """The fault of this reply (a kind from KINDS), or None."""
-    u = numpy_generator(run_seed, "fault", server_round, stable_id).random()
-    edge = 0.0
-    for kind in KINDS:
-        edge += float(rates.get(kind, 0.0))
-        if u < edge:
-            return kind
-    return None
 
 
 def _fault_of(msg: Message, ctxt: Context):

@@ -62,7 +62,7 @@ class SyntheticGrid:
 
     def __init__(self, n: int, direction: np.ndarray) -> None:
         self.n, self.direction = n, direction
-        self.mod = CompressionMod(measure_error=False, measure_fp32_reference=False)
+        self.mod = CompressionMod(measure_error=False)
         self.contexts = {
             10_000 + i: Context(
                 run_id=1,

@@ -4,9 +4,10 @@
 
 Each directory holds ``<i>/results.json`` (``experiments.presets ... --out-dir DIR``);
 runs are paired by index. Per pair: the codec, the seed, every round's accuracy and
-loss equal or not (bit for bit), the final accuracies, and, from the norm rule's round
-fields, the largest ``norm_ratio`` of the run and its clipped updates
-(docs/reliability.md, "Bounded influence").
+loss equal or not (bit for bit), the final accuracies, and, from the influence bounds'
+round fields, the largest ``norm_ratio`` and ``consensus_ratio`` of the run and how many
+weights it capped, updates it clipped and contributions it held (docs/reliability.md,
+"Bounded influence").
 """
 
 from __future__ import annotations
@@ -39,23 +40,32 @@ def _curve(results: dict[str, Any]) -> list[tuple[Any, Any]]:
     return [(r["accuracy"], r["loss"]) for r in results["rounds"]]
 
 
-def _max_ratio(results: dict[str, Any]) -> float | None:
-    ratios = [r.get("norm_ratio") for r in results["rounds"]]
-    ratios = [v for v in ratios if v is not None]
-    return max(ratios) if ratios else None
+def _max_of(results: dict[str, Any], key: str) -> str:
+    values = [r.get(key) for r in results["rounds"]]
+    values = [v for v in values if v is not None]
+    return f"{max(values):.2f}" if values else "n/a"
+
+
+def _bound(results: dict[str, Any]) -> str:
+    """Weights capped, updates clipped, contributions held, over the run."""
+    return "/".join(str(sum(r.get(k, 0) for r in results["rounds"])) for k in BOUNDS)
+
+
+#: The round fields counting what the influence bounds changed.
+BOUNDS = ("capped", "clipped", "held")
 
 
 def pair_row(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     """One table row for a pair of runs of the same configuration."""
-    ratio = _max_ratio(a)
     return [
         _codec(a),
         str(a["config"]["seed"]),
         "yes" if _curve(a) == _curve(b) else "NO",
         f"{a['summary']['final_accuracy']:.4f}",
         f"{b['summary']['final_accuracy']:.4f}",
-        "n/a" if ratio is None else f"{ratio:.2f}",
-        str(sum(r.get("clipped", 0) for r in a["rounds"])),
+        _max_of(a, "norm_ratio"),
+        _max_of(a, "consensus_ratio"),
+        _bound(a),
     ]
 
 
@@ -70,7 +80,8 @@ def compare(dir_a: Path, dir_b: Path, label_a: str, label_b: str) -> str:
         f"final accuracy ({label_a})",
         f"final accuracy ({label_b})",
         f"largest norm ratio ({label_a})",
-        f"clipped ({label_a})",
+        f"largest consensus ratio ({label_a})",
+        f"{'/'.join(BOUNDS)} ({label_a})",
     ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(pair_row(runs_a[i], runs_b[i])) + " |" for i in common]

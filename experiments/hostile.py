@@ -246,14 +246,16 @@ def run_round(
     hostile=tuple(HOSTILE),
     influence=None,
     inner=None,
+    client_mods=None,
 ):
     """``rounds`` rounds through CompressedStrategy.start; the hostile clients act in
     the last one (and are honest before), on the train replies or, with ``evaluate``,
     on the evaluate replies (every client then evaluates). ``tamper`` replaces the
     hostile-clients tamperer for every round. ``num_clients``, ``hostile`` (their
     partition ids), ``influence`` and ``inner`` (a Flower strategy) change the round's
-    make-up. Returns the strategy, the result and the server's peak memory while
-    aggregating that round's train replies."""
+    make-up; ``client_mods``: inner train mods of every client (they see the dense
+    reply, e.g. experiments.attacks.AttackMod). Returns the strategy, the result and
+    the server's peak memory while aggregating that round's train replies."""
     set_task_identity()  # module-scoped fixtures run before conftest's autouse one
     # Without a reset the mark stays at the process's lifetime peak, so the peak of the
     # aggregation would read as 0 and every memory bound would pass: refuse instead.
@@ -273,7 +275,7 @@ def run_round(
     )
     act = _hostile(behaviour, MessageType.EVALUATE if evaluate else MessageType.TRAIN, hostile)
     grid = InProcessGrid(
-        make_client_app(),
+        make_client_app(inner_mods=client_mods),
         num_clients,
         tamper=tamper or (lambda pid, r, i: act(pid, r, i) if _round_of(i) == rounds else r),
     )

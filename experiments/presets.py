@@ -22,8 +22,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
 
 from experiments.run import CONF_DIR, settings_from_cfg
+from experiments.simulate import preflight
 from fedcomp.failures import RunFailed
 from fedcomp.settings import Settings
 
@@ -50,14 +52,33 @@ def preset_settings(name: str, *overrides: str) -> list[Settings]:
     (``seed=0,1``)."""
     axes, _ = sweep_axes(name)
     fixed = []
-    for override in overrides:
-        key, value = override.split("=", 1)
-        if key in axes:
-            axes[key] = value.split(",")
+    for override in parse_overrides(overrides):
+        if override.is_sweep_override():  # a sweep of its own, or new values for one
+            axes[override.key_or_group] = list(override.sweep_string_iterator())
+        elif override.key_or_group in axes and override.type.name == "CHANGE":
+            axes[override.key_or_group] = [override.get_value_element_as_str()]
         else:
-            fixed.append(override)
+            fixed.append(override.input_line)
     grid = [[f"{k}={v}" for v in values] for k, values in axes.items()]
     return compose_runs(name, fixed, list(itertools.product(*grid)))
+
+
+def parse_overrides(overrides: Sequence[str]) -> list:
+    """Hydra's override grammar (``key=value``, ``~key`` deletes, ``+key=value`` adds,
+    ``++key=value`` adds or sets, ``key=a,b`` sweeps); ValueError in one line naming
+    the override Hydra refuses."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    parsed = []
+    for override in overrides:
+        try:
+            parsed.extend(parser.parse_overrides([override]))
+        except HydraException as exc:
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise ValueError(f"invalid override {override!r}: {first}") from None
+    return parsed
 
 
 def run_inprocess(settings: Settings) -> dict:
@@ -89,8 +110,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         runs = preset_settings(args.name, *args.overrides)
-    except ValueError as exc:  # a bad setting: one line naming key, value and what is allowed
-        print(f"error: {exc}", file=sys.stderr)
+        for settings in runs:  # every run's settings, before the first one starts
+            preflight(settings, ray=False)
+    except (ValueError, HydraException) as exc:  # one line: key, value, what is allowed
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"error: {first}", file=sys.stderr)
         return 2
     out_dir = args.out_dir or Path(sweep_axes(args.name)[1])
     t0 = time.perf_counter()
@@ -103,8 +127,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings.progress = "off"
         try:
             results = run_inprocess(settings)
-        except RunFailed as exc:  # its results.json is written; the sweep goes on
-            print(f"[{i + 1}/{len(runs)}] {path}: FAILED: {exc}", flush=True)
+        except Exception as exc:  # its results.json says why; the sweep goes on
+            kind = "" if isinstance(exc, RunFailed) else f"{type(exc).__name__}: "
+            print(f"[{i + 1}/{len(runs)}] {path}: FAILED: {kind}{exc}", flush=True)
             failed += 1
             continue
         s = results["summary"]

@@ -123,8 +123,10 @@ def preflight(settings: Settings, *, ray: bool = True) -> None:
         check_devices(settings)
     make_codec_from_spec(settings.codec)
     from strategies.inner import make_inner_strategy
+    from strategies.server_app import check_resume
 
     make_inner_strategy(settings.strategy, settings.num_clients)
+    check_resume(settings)  # a malformed or mismatched checkpoint, named, before Ray
 
 
 def client_state_copies(settings: Settings) -> int:

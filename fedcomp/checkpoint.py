@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,8 +98,11 @@ def save_checkpoint(run_dir: str | Path, ckpt: Checkpoint) -> None:
 def _read_npz(path: Path, run_dir: str | Path) -> dict[str, np.ndarray]:
     if not path.exists():
         raise FileNotFoundError(f"resume={run_dir}: {path} is missing")
-    with np.load(path, allow_pickle=False) as data:
-        return {k: data[k] for k in data.files}
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            return {k: data[k] for k in data.files}
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
+        raise ValueError(f"resume={run_dir}: {path} is not a readable .npz ({exc})") from None
 
 
 def _read_state(folder: Path, run_dir: str | Path) -> dict[str, Any]:
@@ -116,8 +120,8 @@ def _read_state(folder: Path, run_dir: str | Path) -> dict[str, Any]:
         )
     try:
         state = json.loads(state_path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"resume={run_dir}: {state_path} is not JSON ({exc})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise ValueError(f"resume={run_dir}: {state_path} is not JSON ({exc!s:.200})") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         found = state.get("format") if isinstance(state, dict) else type(state).__name__
         raise ValueError(
@@ -149,8 +153,11 @@ def load_checkpoint(run_dir: str | Path) -> Checkpoint:
         return Checkpoint(
             round=round_, arrays=arrays, strategy=tree["strategy"], settings=tree["settings"]
         )
-    except (PlainDataError, KeyError, TypeError) as exc:
-        raise ValueError(f"resume={run_dir}: {folder / STATE_FILE} is malformed ({exc})") from None
+    except (PlainDataError, KeyError, TypeError, ValueError, RecursionError) as exc:
+        raise ValueError(
+            f"resume={run_dir}: {folder / STATE_FILE} is malformed ({type(exc).__name__}: "
+            f"{exc!s:.200})"
+        ) from None
 
 
 def check_compatible(saved: Mapping[str, Any], current: Mapping[str, Any]) -> None:
@@ -166,3 +173,27 @@ def check_compatible(saved: Mapping[str, Any], current: Mapping[str, Any]) -> No
     if differ:
         detail = "; ".join(f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in differ)
         raise ValueError(f"resume: the settings differ from the stopped run's ({detail})")
+
+
+def check_layout(
+    saved: Mapping[str, np.ndarray], model: Mapping[str, np.ndarray], where: str
+) -> None:
+    """The checkpoint's model has exactly the run's tensors: names in order, shapes
+    and dtypes (a model of another shape would load and train silently).
+
+    Raises
+    ------
+    ValueError
+        Naming ``where`` (the file) and the first difference.
+    """
+    if list(saved) != list(model):
+        raise ValueError(
+            f"{where}: tensors {list(saved)!r:.200} are not the model's {list(model)!r:.200}"
+        )
+    for name, value in saved.items():
+        ref = np.asarray(model[name])
+        if value.shape != ref.shape or value.dtype != ref.dtype:
+            raise ValueError(
+                f"{where}: tensor {name!r} is {value.dtype}{list(value.shape)}, the model's is "
+                f"{ref.dtype}{list(ref.shape)}"
+            )

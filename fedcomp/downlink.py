@@ -38,7 +38,7 @@ from fedcomp.codecs import (
     parse_payload,
 )
 from fedcomp.codecs.dense import RawCodec
-from fedcomp.codecs.entropy import max_inner_size
+from fedcomp.codecs.entropy import max_inner_size, work_size
 from fedcomp.rng import derive_seed
 from fedcomp.rules import fail
 
@@ -139,7 +139,11 @@ class Step:
 
     @property
     def nbytes(self) -> int:
-        return sum(len(p) for p in self.payloads.values())
+        """What decoding the step reads: each payload's bytes, a lossless stage's
+        decompressed size (fedcomp.codecs.entropy.work_size). The server sends the
+        model instead of steps that weigh more, and the client refuses them: one
+        instruction costs a client at most a model's bytes and MAX_STEPS decodes."""
+        return sum(work_size(p) for p in self.payloads.values())
 
 
 def checksum(arrays: Mapping[str, np.ndarray]) -> str:
@@ -249,8 +253,9 @@ def check_chain(steps: Sequence[Step], target: int) -> None:
 
 
 def check_step_bytes(steps: Sequence[Step], arrays: Mapping[str, np.ndarray]) -> None:
-    """The steps together weigh at most the dense model (the server's own rule: it
-    sends x_hat in full instead), so reading them costs less than the model.
+    """The steps together weigh at most the dense model, decompressed (the server's
+    own rule: it sends x_hat in full instead), so reading them costs less than the
+    model.
 
     Raises
     ------

@@ -92,10 +92,6 @@ RECORD_METRICS = "metrics"
 KEY_NUM_EXAMPLES = "num-examples"
 METRIC_ENCODE_S = "fedcomp.encode-s"
 METRIC_CODEC_BYTES = "fedcomp.codec-bytes"
-METRIC_FP32_CODEC_BYTES = "fedcomp.fp32-codec-bytes"
-METRIC_FP32_CONTENT_WIRE_BYTES = "fedcomp.fp32-content-wire-bytes"
-#: The Flower objects of the app's own reply content (the fp32 reference's).
-METRIC_FP32_CONTENT_OBJECTS = "fedcomp.fp32-content-objects"
 #: Residual memory statistics measured by the client (sums over tensors):
 #: ||delta - h||^2, ||delta||^2, the compression noise ||r_hat - r||^2, omega ||r||^2,
 #: and the bytes its control-variate state takes.

@@ -21,6 +21,7 @@ model is a function of its settings and seed, not of global RNG state.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -136,6 +137,7 @@ def check_model(model: ModelSettings, dataset_name: str) -> None:
     """
     spec = spec_of(dataset_name)
     if model.name == "mlp":
+        _check_size(model, dataset_name)
         return
     if model.name not in ("cnn", "resnet18", "niid_cnn"):
         raise ValueError(
@@ -158,6 +160,45 @@ def check_model(model: ModelSettings, dataset_name: str) -> None:
             f"model.name='niid_cnn' (two unpadded 5x5 convolutions, each pooled by 2) needs "
             f"images of at least 16x16; dataset '{dataset_name}' has {height}x{width}"
         )
+    _check_size(model, dataset_name)
+
+
+def _check_size(model: ModelSettings, dataset_name: str) -> None:
+    if any(not isinstance(h, int) or isinstance(h, bool) or h <= 0 for h in model.hidden):
+        raise ValueError(
+            f"invalid setting model.hidden={list(model.hidden)!r:.200}: positive integer widths"
+        )
+    elements = model_elements(model, dataset_name)
+    if elements > MAX_MODEL_ELEMENTS:
+        raise ValueError(
+            f"invalid setting model.hidden={list(model.hidden)!r:.200}: {model.name} on "
+            f"{dataset_name} would have {elements:,} elements, more than the "
+            f"{MAX_MODEL_ELEMENTS:,} fedcomp builds"
+        )
+
+
+#: The largest model fedcomp builds, in parameters and buffers (2^28, 1 GiB of
+#: float32; ResNet-18 has 11M): a width in a settings file or a server's task cannot
+#: make a client allocate more. Counted before anything is allocated.
+MAX_MODEL_ELEMENTS = 1 << 28
+
+
+def model_elements(model: ModelSettings, dataset_name: str) -> int:
+    """How many parameter and buffer elements the model has, counted on PyTorch's meta
+    device (no memory is allocated)."""
+    with torch.device("meta"):
+        net = _construct(model, spec_of(dataset_name))
+    return sum(t.numel() for t in (*net.parameters(), *net.buffers()))
+
+
+def _construct(model: ModelSettings, spec: Any) -> nn.Module:
+    if model.name == "mlp":
+        return MLP(math.prod(spec.shape), list(model.hidden), spec.num_classes)
+    if model.name == "cnn":
+        return CNN(spec.shape, list(model.hidden), spec.num_classes)
+    if model.name == "niid_cnn":
+        return NiidCNN(spec.shape, list(model.hidden), spec.num_classes)
+    return cifar_resnet18(spec.shape[0], spec.num_classes)
 
 
 def build_model(model: ModelSettings, dataset_name: str, seed: int) -> nn.Module:
@@ -167,14 +208,7 @@ def build_model(model: ModelSettings, dataset_name: str, seed: int) -> nn.Module
     # Module constructors draw from the global generator; fork it so building a model
     # leaves global state alone (every parameter is re-drawn from the seed below).
     with torch.random.fork_rng(devices=[]):
-        if model.name == "mlp":
-            net: nn.Module = MLP(math.prod(spec.shape), list(model.hidden), spec.num_classes)
-        elif model.name == "cnn":
-            net = CNN(spec.shape, list(model.hidden), spec.num_classes)  # type: ignore[arg-type]
-        elif model.name == "niid_cnn":
-            net = NiidCNN(spec.shape, list(model.hidden), spec.num_classes)  # type: ignore[arg-type]
-        else:
-            net = cifar_resnet18(spec.shape[0], spec.num_classes)
+        net = _construct(model, spec)
     _init_(net, torch_generator(seed, "model-init"), conv_fan_out=model.name == "resnet18")
     return net
 

@@ -123,9 +123,29 @@ class RoundCounts:
     resyncs: int = 0
     restarts: int = 0
     resync_requests: int = 0
-    #: Bounded influence: weights capped, updates clipped.
+    #: Bounded influence: weights capped, updates clipped, contributions held to the
+    #: round's consensus (fedcomp.influence), and the stable ids of each.
     capped: int = 0
     clipped: int = 0
+    held: int = 0
+    bounded: dict[str, list[int]] = field(default_factory=dict)
+    #: Clients with strikes after this round (stable id -> strikes; escalation).
+    strikes: dict[int, float] = field(default_factory=dict)
+    #: 1 when the round's reference norm fell back to an earlier round's (half of the
+    #: updates near zero; fedcomp.influence.robust_reference).
+    reference_fallback: int = 0
+    #: The reference norm the round's updates were measured against, and the norm of
+    #: the step the model took (None: not measured): a run whose steps stay tiny next
+    #: to its clients' updates did not follow them (fedcomp.flower.outcome).
+    reference_norm: float | None = None
+    step_norm: float | None = None
+    #: Updates loaded again for the trust region this round (a released update is
+    #: decoded again: the consensus pass of a run's first round, and each contribution
+    #: the norm screen could not place; fedcomp.flower.bounds).
+    consensus_loads: int = 0
+    #: The consensus step's norm over the reference norm (how far the clipped updates
+    #: agree; None: no trust region this round).
+    consensus_ratio: float | None = None
     #: 1 when the aggregate was not finite and the model was kept.
     aggregate_nonfinite: int = 0
     #: The largest update norm over the round's reference norm (the lower median), before
@@ -305,6 +325,12 @@ def validate_results(obj: Any) -> dict[str, Any]:
     _check_fields(obj.get("summary"), SUMMARY_FIELDS, "summary")
     if "socket" in obj:
         _check_socket(obj["socket"])
+    if "failure" in obj:  # a run that failed: why (strategies.server_app)
+        failure = obj["failure"]
+        if not isinstance(failure, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in failure.items()
+        ):
+            raise ResultsError(f"failure: {failure!r:.120} is not an object of strings")
     if "machine" in obj:  # fedcomp.machine: every field a string
         machine = obj["machine"]
         if not isinstance(machine, Mapping) or not all(
@@ -384,15 +410,41 @@ def build_results(
     )
 
 
-def write_results(path: str | os.PathLike[str], results: Mapping[str, Any]) -> Path:
-    """Validate and write atomically (a reader never sees a half-written file)."""
-    validate_results(results)
+def write_results(
+    path: str | os.PathLike[str], results: Mapping[str, Any], *, salvage: bool = False
+) -> Path:
+    """Validate and write atomically (a reader never sees a half-written file).
+
+    ``salvage``: the run failed; write what it has even if it does not validate, with
+    every non-finite number as null (JSON has none) and, when the shape is still
+    refused, the refusal added to its ``failure``."""
+    if salvage:
+        results = _finite_or_none(results)
+        try:
+            validate_results(results)
+        except ResultsError as exc:
+            failure = dict(results.get("failure") or {})
+            failure["results_error"] = str(exc)[:2000]
+            results = {**results, "failure": failure}
+    else:
+        validate_results(results)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(results, indent=1, sort_keys=False) + "\n")
     tmp.replace(path)
     return path
+
+
+def _finite_or_none(obj: Any) -> Any:
+    """``obj`` with every non-finite float replaced by None, recursively."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, Mapping):
+        return {k: _finite_or_none(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_finite_or_none(v) for v in obj]
+    return obj
 
 
 def load_results(path: str | os.PathLike[str]) -> dict[str, Any]:

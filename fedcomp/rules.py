@@ -14,6 +14,8 @@ import math
 from collections.abc import Mapping
 from typing import Any, NoReturn
 
+from fedcomp.influence import Influence
+
 HANDOFFS = ("per_client", "pre_aggregated")
 #: Joint codes: no per-client decoder; the server decodes only the mean of all replies.
 JOINT_CODES = ("onebit",)
@@ -116,10 +118,7 @@ def check_server_options(
     trees: Any,
     fraction_train: float,
     fraction_evaluate: float,
-    weight_cap: float,
-    norm_cap: float,
-    reject_factor: float,
-    max_num_examples: float,
+    influence: Influence,
 ) -> None:
     """Check the combination of server options that only the server half can judge.
 
@@ -134,12 +133,37 @@ def check_server_options(
     _check_handoff(codec_name, handoff, strategy_name, trees)
     _check_fraction("fraction_train", fraction_train, allow_zero=False)
     _check_fraction("fraction_evaluate", fraction_evaluate, allow_zero=True)
-    _check_factor("aggregation.weight_cap", weight_cap)
-    _check_factor("aggregation.norm_cap", norm_cap)
-    _check_factor("aggregation.reject_factor", reject_factor)
+    check_influence(influence)
+
+
+def check_influence(influence: Influence) -> None:
+    """The influence bounds (fedcomp.influence.Influence), each named by its
+    ``aggregation.*`` key."""
+    for name in ("weight_cap", "norm_cap", "reject_factor", "collapse_ratio"):
+        _check_factor(f"aggregation.{name}", getattr(influence, name))
     # Past 2^53 (9e15) float64 weights stop being exact integers.
-    if not (isinstance(max_num_examples, int | float) and 1 <= max_num_examples <= 1e15):
-        fail("aggregation.max_num_examples", max_num_examples, "must be a number in [1, 1e15]")
+    limit = influence.max_num_examples
+    if not (isinstance(limit, int | float) and 1 <= limit <= 1e15):
+        fail("aggregation.max_num_examples", limit, "must be a number in [1, 1e15]")
+    region = {
+        k: getattr(influence, k)
+        for k in ("push_against", "push_along", "push_side", "consensus_floor")
+    }
+    for key, value in region.items():
+        if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+            fail(f"aggregation.{key}", value, "must be a finite number >= 0")
+    if influence.push_along > 0 and influence.push_side <= 0:
+        fail(
+            "aggregation.push_side",
+            influence.push_side,
+            "must be > 0 while the consensus trust region is on (push_along > 0)",
+        )
+    if influence.push_along == 0 and (influence.push_side or influence.push_against):
+        fail(
+            "aggregation.push_along",
+            0,
+            "0 turns the consensus trust region off: set push_side and push_against to 0 too",
+        )
 
 
 def check_client_evaluation(evaluate_in_train: bool, fraction_evaluate: float) -> None:

@@ -204,9 +204,7 @@ class TreeOptions:
         if self.tree not in TREES:
             raise ValueError(f"aggregation.tree={self.tree!r}; allowed: {', '.join(TREES)}")
         if self.dtype not in TREE_DTYPES:
-            raise ValueError(
-                f"aggregation.dtype={self.dtype!r}; allowed: {', '.join(TREE_DTYPES)}"
-            )
+            raise ValueError(f"aggregation.dtype={self.dtype!r}; allowed: {', '.join(TREE_DTYPES)}")
         if self.chunk_size < 1:
             raise ValueError(f"aggregation.chunk_size={self.chunk_size!r}: must be >= 1")
         if self.refresh_rounds < 1:
@@ -223,9 +221,10 @@ class AggregationSettings(TreeOptions):
     handoff: str = "per_client"
     #: Residual memory: a directory for the control-variate mirrors ("" = in memory).
     mirror_dir: str = ""
-    #: Bounded influence: a client's reported num-examples is capped at this multiple
-    #: of the round's median report (0 = no cap), so no client dominates the mean.
-    weight_cap: float = 0.0
+    #: Bounded influence (fedcomp.influence, docs/reliability.md): a client's reported
+    #: num-examples is capped at this multiple of the round's lower median report
+    #: (0 = no cap), so no client dominates the mean by what it claims.
+    weight_cap: float = 5.0
     #: Bounded influence, on by default: a decoded update whose L2 norm exceeds this
     #: multiple of the round's reference norm (the lower median of the update norms,
     #: fedcomp.influence.reference_norm) is scaled down to it (0 = off; joint codes are
@@ -240,6 +239,22 @@ class AggregationSettings(TreeOptions):
     #: The largest num-examples one reply may claim; a reply claiming more is rejected
     #: (bad_weight). Keeps the round's total weight finite.
     max_num_examples: float = 1e9
+    #: The reference norm falls back to the last clean round's when the lower median
+    #: norm is this many times below the upper median (half the updates near zero).
+    collapse_ratio: float = 10.0
+    #: The consensus trust region (multiples of the consensus step's norm): how far one
+    #: client's contribution may push against the round's consensus, along it and
+    #: across it (push_along=0: off, with the other two 0).
+    push_against: float = 0.5
+    push_along: float = 2.0
+    push_side: float = 3.0
+    #: ... in multiples of max(C, consensus_floor x the reference norm): near
+    #: convergence the common step shrinks, the clients' differences do not.
+    consensus_floor: float = 0.25
+    #: A client bound round after round (weight capped, norm clipped, contribution
+    #: held) gets half the room for each strike beyond the first; rounds it is not
+    #: bound take strikes away (fedcomp.influence.room_of).
+    escalation: bool = True
 
 
 @dataclass
@@ -481,6 +496,7 @@ def validate(settings: Settings) -> Settings:
     naming the key, the value and what is allowed.
     """
     s = settings
+    _check_finite(s)
     _check_run_values(s)
     _check_groups(s)
     _check_specs(s)
@@ -496,13 +512,27 @@ def validate(settings: Settings) -> Settings:
         trees=tree_config(s),  # TreeConfig's own checks name the aggregation.* key
         fraction_train=s.fraction_train,
         fraction_evaluate=s.fraction_evaluate,
-        weight_cap=a.weight_cap,
-        norm_cap=a.norm_cap,
-        reject_factor=a.reject_factor,
-        max_num_examples=a.max_num_examples,
+        influence=influence_of(s),
     )
     check_client_evaluation(s.evaluate_in_train, s.fraction_evaluate)
     return s
+
+
+def _check_finite(value: Any, key: str = "") -> None:
+    """Every number in the settings, nested groups and specs included, is finite: a
+    NaN passes every one-sided check (``x <= 0`` is False for NaN) and ran a whole run
+    before failing elsewhere."""
+    if dataclasses.is_dataclass(value):
+        for f in dataclasses.fields(value):
+            _check_finite(getattr(value, f.name), f"{key}.{f.name}" if key else f.name)
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            _check_finite(v, f"{key}.{k}")
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            _check_finite(v, f"{key}[{i}]")
+    elif isinstance(value, float) and not math.isfinite(value):
+        _fail(key, value, "must be a finite number")
 
 
 def _check_run_values(s: Settings) -> None:
@@ -528,6 +558,9 @@ def _check_groups(s: Settings) -> None:
     """Each settings group checks itself; then the partition against the dataset."""
     for group in (s.dataset, s.partition, s.model, s.train, s.policy, s.faults, s.simulation):
         group.check()
+    from fedcomp.models import check_model  # torch only when checking
+
+    check_model(s.model, s.dataset.name)  # the input shape, and the size bound
     if s.partition.name == "natural" and s.dataset.name != "femnist":
         _fail(
             "partition.name",
@@ -541,8 +574,13 @@ def _check_specs(s: Settings) -> None:
     """The codec, downlink and strategy specs, then the codec in its regime (fedcomp.rules)."""
     if "name" not in s.codec:
         _fail("codec", s.codec, "a codec spec needs a 'name'")
-    from fedcomp.downlink import parse_downlink  # the codecs (torch) only when checking
+    from fedcomp.codecs import make_codec_from_spec  # the codecs (torch) only when checking
+    from fedcomp.downlink import parse_downlink
 
+    try:  # the codec's own parameters, before any run (a sweep's run fails alone)
+        make_codec_from_spec(s.codec)
+    except (ValueError, TypeError) as exc:
+        _fail("codec", s.codec, str(exc))
     parse_downlink(s.downlink)  # names downlink.<key>, the value and what is allowed
     if "name" not in s.strategy:
         _fail("strategy", s.strategy, "a strategy spec needs a 'name'")
@@ -596,12 +634,7 @@ def influence_of(settings: Settings) -> Influence:
     from fedcomp.influence import Influence
 
     a = settings.aggregation
-    return Influence(
-        weight_cap=a.weight_cap,
-        norm_cap=a.norm_cap,
-        reject_factor=a.reject_factor,
-        max_num_examples=a.max_num_examples,
-    )
+    return Influence(**{f.name: getattr(a, f.name) for f in dataclasses.fields(Influence)})
 
 
 # ---------------------------------------------------------------------------------

@@ -19,7 +19,15 @@ import torch
 from flwr.app import Array, ArrayRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
-from fedcomp.checkpoint import Checkpoint, check_compatible, load_checkpoint, save_checkpoint
+from fedcomp.checkpoint import (
+    STATE_FILE,
+    Checkpoint,
+    check_compatible,
+    check_layout,
+    checkpoint_dir,
+    load_checkpoint,
+    save_checkpoint,
+)
 from fedcomp.codecs import TensorPolicy
 from fedcomp.data import server_test_set
 from fedcomp.diagnostics import aggregate_error
@@ -45,6 +53,10 @@ from fedcomp.training import evaluate, select_device
 from strategies.inner import make_inner_strategy
 
 log = logging.getLogger(__name__)
+
+#: Where a run directory keeps its clients' codec memories (experiments.run sets
+#: client_state_dir to it); a resumed run copies them from there, and only there.
+CLIENT_STATE_SUBDIR = "client_state"
 
 #: Settings the ClientApp needs; sent to every client in its message config. Not the
 #: paths a client reads or writes (dataset.path, client_state_dir, diagnostics_dir):
@@ -117,22 +129,56 @@ def _checkpoint(run_dir: Path, strategy: CompressedStrategy, settings: Settings)
     )
 
 
-def _resume(settings: Settings, strategy: CompressedStrategy) -> ArrayRecord:
+def check_resume(settings: Settings) -> None:
+    """The checks a resumed run makes, before anything starts (experiments.simulate's
+    preflight): the checkpoint loads into a strategy and a model of these settings."""
+    if not settings.resume:
+        return
+    model = build_model(settings.model, settings.dataset.name, settings.seed)
+    with torch.no_grad():
+        initial = ArrayRecord(model.state_dict())
+    _resume(settings, build_strategy(settings), initial, copy_states=False)
+
+
+def _resume(
+    settings: Settings,
+    strategy: CompressedStrategy,
+    model: ArrayRecord,
+    *,
+    copy_states: bool = True,
+) -> ArrayRecord:
     """Restore a stopped run's state into ``strategy`` (which then starts after the
-    checkpoint's round); return the model."""
+    checkpoint's round); return the model. A malformed or mismatched checkpoint is a
+    ValueError naming the file and the problem, before anything runs."""
     ckpt = load_checkpoint(settings.resume)
+    folder = checkpoint_dir(settings.resume)
     check_compatible(ckpt.settings, settings_to_dict(settings))
-    old_states = ckpt.settings.get("client_state_dir") or ""
-    if settings.client_state_dir and old_states and Path(old_states).is_dir():
-        # The clients' codec memories as of the stopped run (a client whose reply the
-        # checkpoint did not acknowledge drops its pending state by itself).
-        shutil.copytree(old_states, settings.client_state_dir, dirs_exist_ok=True)
+    check_layout(
+        ckpt.arrays,
+        {k: np.asarray(v.numpy()) for k, v in model.items()},
+        str(folder / f"model-{ckpt.round:05d}.npz"),
+    )
     if ckpt.round >= settings.num_rounds:
         raise ValueError(
             f"resume={settings.resume}: the run already finished round {ckpt.round} of "
             f"num_rounds={settings.num_rounds}; raise num_rounds to continue it"
         )
-    strategy.load_state_dict(ckpt.strategy)  # the inner strategy's state included
+    try:
+        strategy.load_state_dict(ckpt.strategy)  # the inner strategy's state included
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, RecursionError) as exc:
+        raise ValueError(
+            f"resume={settings.resume}: {folder / STATE_FILE} does not hold this run's "
+            f"strategy state ({type(exc).__name__}: {exc!s:.200})"
+        ) from None
+    if not copy_states:
+        return ArrayRecord({k: Array(v) for k, v in ckpt.arrays.items()})
+    # The clients' codec memories as of the stopped run (a client whose reply the
+    # checkpoint did not acknowledge drops its pending state by itself): only from the
+    # stopped run's own directory, never from a path its files name.
+    old_states = Path(settings.resume) / CLIENT_STATE_SUBDIR
+    if settings.client_state_dir and old_states.is_dir() and not old_states.is_symlink():
+        if old_states.resolve() != Path(settings.client_state_dir).resolve():
+            shutil.copytree(old_states, settings.client_state_dir, dirs_exist_ok=True)
     log.info("resuming %s after round %d of %d", settings.resume, ckpt.round, settings.num_rounds)
     return ArrayRecord({k: Array(v) for k, v in ckpt.arrays.items()})
 
@@ -208,8 +254,8 @@ def run_server(
     with torch.no_grad():
         initial = ArrayRecord(model.state_dict())
     if settings.resume:
-        initial = _resume(settings, strategy)
-    failed: RunFailed | None = None
+        initial = _resume(settings, strategy, initial)
+    failed: Exception | None = None
     try:
         strategy.start(
             grid=grid,
@@ -218,16 +264,43 @@ def run_server(
             timeout=settings.simulation.round_timeout,
             evaluate_fn=make_evaluate_fn(settings),
         )
-    except RunFailed as exc:  # the rounds are complete: write them, then fail
+    except Exception as exc:  # the rounds so far are written first, then it is raised
         failed = exc
+        log.error("the run failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
     finally:
         progress.close()
+    results = _results(settings, strategy, time.perf_counter() - t0, failed)
+    if "failure" not in results or isinstance(failed, RunFailed):
+        _log_summary(results, settings)  # the rounds are complete
+    if settings.results_path:
+        write_results(settings.results_path, results, salvage=failed is not None)
+    if failed is not None:
+        raise failed
+    return results
+
+
+def _results(
+    settings: Settings, strategy: CompressedStrategy, wall_s: float, failed: Exception | None
+) -> dict[str, Any]:
+    """results.json's content: the rounds so far, the machine, and why the run failed."""
     rounds = strategy.rounds
-    results = build_results(settings_to_dict(settings), rounds, wall_s=time.perf_counter() - t0)
+    try:
+        results = build_results(settings_to_dict(settings), rounds, wall_s=wall_s)
+    except Exception as exc:  # a record the schema refuses: keep what there is, say why
+        failed = failed or exc
+        results = {"schema_version": 1, "config": settings_to_dict(settings), "rounds": rounds}
+        results["summary"] = {"wall_s": wall_s}
     results["machine"] = machine_record()  # what the trajectory may depend on besides the code
     initial_eval = strategy.book.initial_evaluation or {}
     results["summary"]["initial_accuracy"] = initial_eval.get("accuracy")
-    s = results["summary"]
+    if failed is not None:
+        results["failure"] = {"kind": type(failed).__name__, "message": str(failed)[:2000]}
+    return results
+
+
+def _log_summary(results: dict[str, Any], settings: Settings) -> None:
+    """The run's closing lines: its bytes against fp32, and how to run fp32 FedAvg."""
+    s, rounds = results["summary"], results["rounds"]
     log.info(
         "done: final accuracy %s (initial %s) | total wire %s B in %d rounds, fp32/total "
         "%s (train traffic %s) | uplink wire %d B, ratio vs fp32: codec %s wire %s | %.1f s",
@@ -255,11 +328,6 @@ def run_server(
             s["rounds_without_accepted_reply"],
             len(rounds),
         )
-    if settings.results_path:
-        write_results(settings.results_path, results)
-    if failed is not None:
-        raise failed
-    return results
 
 
 def make_server_app(

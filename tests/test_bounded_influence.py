@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from flwr.app import MetricRecord, RecordDict
 
+from experiments.attacks import Attack, AttackMod
 from experiments.hostile import (
     HONEST,
     HOSTILE,
@@ -35,7 +36,6 @@ from fedcomp.flower.outcome import best_loss, fail_if_not_learning, not_learning
 from fedcomp.flower.reply_format import reply_content
 from fedcomp.flower.validation import ReplyError, check_reply
 from fedcomp.influence import (
-    DEFAULT_NORM_CAP,
     MAX_NUM_EXAMPLES,
     Influence,
     clip_scales,
@@ -75,16 +75,16 @@ def test_clipping_brings_every_norm_within_the_cap_and_leaves_the_others_alone()
     norms = list(rng.lognormal(0, 2, 41))
     factor = 3.0
     cap = factor * sorted(norms)[20]
-    scales = clip_scales(norms, factor)
+    scales = clip_scales(norms, factor, reference_norm(norms))
     for norm, scale in zip(norms, scales, strict=True):
         assert norm * scale <= cap * (1 + 1e-12)
         assert (scale == 1.0) == (norm <= cap)
         if norm > cap:
             assert norm * scale == pytest.approx(cap, rel=1e-12)
-    # One update alone is measured against the fallback (the last round's reference).
-    assert clip_scales([50.0], factor, fallback=2.0) == [pytest.approx(6.0 / 50.0)]
-    assert clip_scales([50.0], factor) == [1.0]
-    assert clip_scales(norms, 0.0) == [1.0] * 41  # off
+    # One update alone is measured against the last round's reference.
+    assert clip_scales([50.0], factor, 2.0) == [pytest.approx(6.0 / 50.0)]
+    assert clip_scales([50.0], factor, None) == [1.0]
+    assert clip_scales(norms, 0.0, 1.0) == [1.0] * 41  # off
 
 
 def test_outliers_are_beyond_the_factor_times_the_upper_median():
@@ -227,39 +227,86 @@ def _keep_initial(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("num_clients", "hostile", "factor", "weight"),
+    ("num_clients", "factor", "claim"),
     [
-        (N, (HOSTILE[0],), 500.0, MAX_NUM_EXAMPLES),  # finding 5: 1e15 then x500 scales
-        (N, (HOSTILE[0],), 50.0, MAX_NUM_EXAMPLES),  # clipped rather than rejected
-        (2, (1,), 1e30, None),  # finding 5: two clients, scales of 1e30
-        (2, (1,), 50.0, MAX_NUM_EXAMPLES),
+        (N, 500.0, MAX_NUM_EXAMPLES),  # 1e9 examples, an update 500x its honest one
+        (N, -100.0, MAX_NUM_EXAMPLES),  # reversed: clipped, then held
+        (N, -100.0, None),  # reversed at an honest weight
+        (2, 1e6, None),  # two clients, after a clean round (before it: the model kept)
+        (2, -100.0, MAX_NUM_EXAMPLES),
     ],
-    ids=["13-heavy-x500", "13-heavy-x50", "2-clients-1e30", "2-clients-x50"],
+    ids=["13-heavy-x500", "13-heavy-reversed", "13-reversed", "2-clients-x1e6", "2-reversed"],
 )
-def test_one_client_moves_the_model_at_most_the_cap_times_an_honest_norm(
-    num_clients, hostile, factor, weight
+def test_one_client_contributes_at_most_the_trust_region_whatever_it_sends(
+    num_clients, factor, claim
 ):
-    honest = _honest_norms(num_clients, hostile)
-    bound = DEFAULT_NORM_CAP * max(honest)
-    strategy, result, _ = run_round(
-        UNIFORM, _scaled(factor, weight), num_clients=num_clients, hostile=hostile
+    """Issue 41, finding 3: whatever weight it claims and whichever way it pushes, one
+    client's contribution to the mean (its share times its update, as the inner
+    strategy gets them) is at most hypot(max(against, along), side) times the
+    region's scale max(C, consensus_floor x r) (C recorded as consensus_ratio x r), and its
+    weight at most weight_cap x the lower median claim, or it was rejected as an
+    outlier. Without the bounds the same client's contribution is far beyond that: the
+    test can fail."""
+    rules = Influence()
+    reach = math.hypot(max(rules.push_against, rules.push_along), rules.push_side)
+    # With two clients the attack starts in round 2: in round 1 nothing tells the
+    # halves apart and the model is kept (test_half_the_clients_near_zero_...).
+    rounds = 2 if num_clients == 2 else 1
+    attack = Attack("test", factor, claim, start=rounds)
+    hostile = num_clients - 1
+
+    def contribution(influence):
+        handed = []
+        strategy, _, _ = run_round(
+            UNIFORM,
+            None,
+            num_clients=num_clients,
+            hostile=(),
+            rounds=rounds,
+            influence=influence,
+            inner=_capture_inner(handed),
+            client_mods=[AttackMod(attack, {hostile})],
+        )
+        handed = handed[-num_clients:]  # the attacked round's
+        record = strategy.rounds[-1]
+        if record["rejected"].get(Failure.OUTLIER):
+            return 0.0, [], record
+        g = strategy._initial_for_tests
+        weights = [float(m.content["metrics"][KEY_NUM_EXAMPLES]) for m in handed]
+        # Replies reach the inner strategy in stable-id order; the hostile one is last.
+        step = _step(handed[-1].content["arrays"], g)
+        return weights[-1] / sum(weights) * step, weights, record
+
+    size, weights, record = contribution(None)
+    c = None
+    if weights:  # the region's scale: max(C, consensus_floor x r)
+        c = max(record["consensus_ratio"], rules.consensus_floor) * record["reference_norm"]
+        assert 0 < size <= reach * c * (1 + 1e-5), (size, reach * c)
+        assert weights[-1] <= rules.weight_cap * sorted(weights)[(len(weights) - 1) // 2]
+        assert hostile in {i for ids in record["bounded"].values() for i in ids}
+    off = Influence(
+        weight_cap=0.0,
+        norm_cap=0.0,
+        reject_factor=0.0,
+        push_against=0.0,
+        push_along=0.0,
+        push_side=0.0,
+        escalation=False,
     )
-    step = _step(result.arrays, strategy._initial_for_tests)
-    assert 0 < step <= bound * (1 + 1e-5), (step, bound)
-    record = strategy.rounds[0]  # clipped (norm_cap), or rejected (reject_factor)
-    assert record["clipped"] + record["rejected"].get(Failure.OUTLIER, 0) == len(hostile)
-    # Without the norm rule the same client moves it far beyond that: the test can fail.
-    off = Influence(norm_cap=0.0, reject_factor=0.0)
-    strategy, result, _ = run_round(
-        UNIFORM, _scaled(factor, weight), num_clients=num_clients, hostile=hostile, influence=off
-    )
-    assert _step(result.arrays, strategy._initial_for_tests) > bound
+    unbounded, _, off_record = contribution(off)
+    # The consensus norm is at most the reference norm: without a defended round to
+    # read it from (the client was rejected), the bound is taken at its largest.
+    bound = reach * (c if c is not None else off_record["reference_norm"])
+    assert unbounded > bound
 
 
-def test_the_default_norm_rule_does_not_bind_on_an_honest_round():
+def test_the_default_bounds_do_not_bind_on_an_honest_round():
     strategy, honest, _ = run_round(UNIFORM, None)
-    assert strategy.rounds[0]["clipped"] == 0
-    _, unbounded, _ = run_round(UNIFORM, None, influence=Influence(norm_cap=0.0))
+    record = strategy.rounds[0]
+    assert (record["capped"], record["clipped"], record["held"]) == (0, 0, 0)
+    assert "bounded" not in record and "strikes" not in record
+    off = Influence(weight_cap=0.0, norm_cap=0.0, push_against=0.0, push_along=0.0, push_side=0.0)
+    _, unbounded, _ = run_round(UNIFORM, None, influence=off)
     for name in honest.arrays.keys():
         assert np.array_equal(honest.arrays[name].numpy(), unbounded.arrays[name].numpy())
 
@@ -464,3 +511,70 @@ def test_the_num_examples_bound_setting_is_checked_at_its_ends():
     for bad in (0.0, np.nextafter(1.0, 0.0), np.nextafter(1e15, math.inf), math.nan):
         with pytest.raises(ValueError, match=r"aggregation\.max_num_examples"):
             settings(float(bad))
+
+
+# ------------------------------------------- issue 41, findings 4 and 5: stalls, collapse
+
+
+def _half_near_zero(num_clients, start):
+    hostile = set(range(num_clients - num_clients // 2, num_clients))
+    return [AttackMod(Attack("half near zero", 1e-6, hostile="half", start=start), hostile)]
+
+
+@pytest.mark.parametrize("num_clients", [12, 2], ids=["12", "2"])
+def test_half_the_clients_cannot_clip_the_other_half_after_a_clean_round(num_clients):
+    """Finding 5: half the clients sending near-zero updates pulled the lower-median
+    reference to ~0 and every honest update was clipped to nothing, every round. After
+    a clean round the reference falls back to it: no honest update is clipped, the
+    round is marked, and the model moves."""
+    strategy, _, _ = run_round(
+        UNIFORM,
+        None,
+        num_clients=num_clients,
+        hostile=(),
+        rounds=3,
+        client_mods=_half_near_zero(num_clients, start=2),
+    )
+    clean, *attacked = strategy.rounds
+    assert "reference_fallback" not in clean
+    honest = set(range(num_clients - num_clients // 2))
+    for record in attacked:
+        assert record["reference_fallback"] == 1 and record["reference_norm"] > 0
+        assert not honest & set(record.get("bounded", {}).get("clipped", []))
+        assert record["step_norm"] > 0.1 * record["reference_norm"]
+
+
+def test_half_the_clients_near_zero_from_the_first_round_keep_the_model():
+    """With no clean round to fall back on, nothing tells the near-zero half from the
+    other: the round is not handed over (the model is kept), no client takes strikes,
+    and a reference of 0 never switches clipping off."""
+    strategy, _, _ = run_round(
+        UNIFORM, None, num_clients=4, hostile=(), rounds=2, client_mods=_half_near_zero(4, 1)
+    )
+    for record in strategy.rounds:
+        assert record["reference_fallback"] == 1 and record["replied"] == 4
+        assert record["step_norm"] is None  # no aggregate: the model kept
+        assert "strikes" not in record
+
+
+def test_a_run_without_central_evaluation_that_does_not_follow_its_clients_fails():
+    """Finding 4: without an evaluate_fn, one client claiming 10^9 examples with a
+    near-zero update stalled the model and the run returned normally (every round
+    "changed the model"). With the weight cap off (the old defaults) that run now fails,
+    its steps below 1% of its clients' typical update; under the defaults the claim is
+    capped and the model follows the others."""
+    stall = [AttackMod(Attack("near zero, claims 1e9", 1e-6, MAX_NUM_EXAMPLES), {3})]
+    with pytest.raises(RunFailed, match=r"did not follow the updates"):
+        run_round(
+            UNIFORM,
+            None,
+            num_clients=4,
+            hostile=(),
+            rounds=3,
+            client_mods=stall,
+            influence=Influence(weight_cap=0.0),
+        )
+    strategy, _, _ = run_round(
+        UNIFORM, None, num_clients=4, hostile=(), rounds=3, client_mods=stall
+    )
+    assert all(r["step_norm"] > 0.1 * r["reference_norm"] for r in strategy.rounds)

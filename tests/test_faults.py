@@ -89,7 +89,7 @@ def test_training_carries_on_and_control_variates_stay_synchronized_under_faults
     assert _assert_mirrors_match(strategy, grid) >= N - 1
 
 
-def test_a_huge_claimed_weight_is_capped_at_a_multiple_of_the_median():
+def test_a_huge_claimed_weight_is_capped_at_a_multiple_of_the_lower_median():
     def claim_huge(pid, reply, instruction):
         header = None if reply.has_error() else reply.content.config_records.get(RECORD_HEADER)
         if pid == 2 and header is not None and KEY_PAYLOADS in header:  # a train reply
@@ -107,7 +107,8 @@ def test_a_huge_claimed_weight_is_capped_at_a_multiple_of_the_median():
     out = _rounds(strategy, grid, initial, [1])
     assert strategy.rounds[0]["capped"] == 1
     weights = np.array([spy.weight[i] for i in range(N)], dtype=np.float64)
-    weights[2] = 3.0 * np.median([*np.delete(weights, 2), 1e9])  # the cap the wrapper used
+    claims = sorted([*np.delete(weights, 2), 1e9])
+    weights[2] = 3.0 * claims[(N - 1) // 2]  # the cap: 3 x the lower median claim
     for name in initial.keys():
         locals64 = np.stack([spy.local[i][name].astype(np.float64) for i in range(N)])
         expected = np.tensordot(weights / weights.sum(), locals64, axes=1)
@@ -162,3 +163,29 @@ def test_an_absurd_update_is_clipped_to_a_multiple_of_the_reference_norm():
         )
         got = out[name].numpy().astype(np.float64)
         assert np.allclose(got, expected, rtol=1e-5, atol=1e-6), name
+
+
+def test_a_fault_kind_is_the_servers_own_draw_not_the_clients_text():
+    """Issue 41, finding 8: an error reply whose reason claims an injected fault is
+    counted as that fault only when the run's own fault injection drew it for that
+    client and round (fedcomp.injected); otherwise it is an error_reply."""
+    from flwr.app import Error
+
+    from experiments.inprocess import set_task_identity
+    from fedcomp.flower.rejection import count_error_reply
+    from fedcomp.flower.round_state import RoundState
+    from fedcomp.injected import draw_fault
+    from fedcomp.keys import FAULT_REASON_PREFIX
+
+    set_task_identity()
+    rates = {"crash_client": 0.5}
+    drawn = {sid: draw_fault(rates, 0, 1, sid) for sid in range(12)}
+    assert set(drawn.values()) == {"crash_client", None}  # both cases occur
+    state = RoundState(number=1, t_start=0.0)
+    for sid, expected in drawn.items():
+        instruction = Message(RecordDict({}), dst_node_id=1, message_type="train")
+        reason = FAULT_REASON_PREFIX + "crash_client"
+        msg = Message(Error(code=0, reason=reason), reply_to=instruction)
+        count_error_reply(state, sid, msg, expected)
+    crashes = sum(kind == "crash_client" for kind in drawn.values())
+    assert state.record.faults == {"crash_client": crashes, "error_reply": 12 - crashes}

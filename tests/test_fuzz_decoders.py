@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import struct
 from collections.abc import Iterator
@@ -24,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from experiments.fuzzing import FLOATS, mutate
@@ -42,9 +43,14 @@ from fedcomp.codecs import (
 )
 from fedcomp.downlink import BroadcastServer, Replica, ReplicaError, checksum, parse_downlink
 from fedcomp.failures import Rejection
+from fedcomp.flower.evaluation import record_pre_train_metrics
+from fedcomp.flower.reference import ReplyReference
 from fedcomp.flower.replica import ReplicaSender, rebuild_model
-from fedcomp.flower.reply_format import reply_content
+from fedcomp.flower.reply_format import METRIC_PREFIX, reply_content
+from fedcomp.flower.round_records import account_reply, residual_summary
+from fedcomp.flower.round_state import Decoded
 from fedcomp.flower.validation import check_reply, decode_payloads
+from fedcomp.influence import MAX_NUM_EXAMPLES
 from fedcomp.keys import (
     KEY_DOWNLINK,
     KEY_DOWNLINK_CHECKSUM,
@@ -57,9 +63,15 @@ from fedcomp.keys import (
     KEY_PROTOCOL,
     KEY_ROUND,
     KEY_STABLE_ID,
+    METRIC_CV_BOUND,
+    METRIC_PRE_TRAIN_ACCURACY,
+    METRIC_PRE_TRAIN_EXAMPLES,
+    METRIC_PRE_TRAIN_LOSS,
     PROTOCOL_VERSION,
     RECORD_HEADER,
 )
+from fedcomp.own_metrics import GROUPS, OWN_METRICS
+from fedcomp.results_file import RoundCounts
 from fedcomp.rng import derive_seed
 
 EXAMPLES = int(os.environ.get("FEDCOMP_FUZZ_EXAMPLES", "100"))
@@ -504,3 +516,99 @@ def test_the_fuzzed_instruction_rebuilds_unmutated() -> None:
     new = rebuild_model(_downlink_instruction(), replica)
     assert new.version == 3
     assert all(np.array_equal(new.arrays[k], v) for k, v in server.x_hat.items())
+
+
+# --- fedcomp's own metrics and the pre-train evaluation (issue 41, findings 1 and 2) ---
+
+_BAD_VALUES = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([1e301, -1e-300, -1.0, 2.5, 1e10, math.nan, math.inf]),
+    st.integers(-(2**70), 2**70),
+    st.booleans(),
+    st.lists(st.floats(allow_nan=True), max_size=3),
+    st.text(max_size=8),
+)
+_PLAUSIBLE = st.one_of(
+    st.floats(0.0, 1.0), st.sampled_from([0.0, 1.0, 1e9, 1e300]), st.integers(1, 10**9)
+)
+
+
+@st.composite
+def _reply_metrics(draw) -> dict:
+    """A reply's metrics, mostly plausible (so that many are accepted and reach the
+    bookkeeping), each group whole, partly or not at all, now and then a bad value
+    or an unknown fedcomp name."""
+    names = [[n] for n in OWN_METRICS if not any(n in g for g in GROUPS)]
+    names += [list(g) for g in GROUPS] + [["train_loss"], ["fedcomp.unknown"]]
+    bad_weight = draw(st.integers(0, 9)) == 0
+    metrics = {KEY_NUM_EXAMPLES: draw(_BAD_VALUES if bad_weight else st.integers(1, 10**9))}
+    for group in names:
+        kept = draw(st.sampled_from(["none", "none", "all", "all", "all", "some"]))
+        if kept == "none" or (group == ["fedcomp.unknown"] and draw(st.integers(0, 3))):
+            continue
+        chosen = group if kept == "all" else draw(st.lists(st.sampled_from(group), unique=True))
+        for name in chosen:
+            bad = draw(st.integers(0, 19)) == 0
+            metrics[name] = draw(_BAD_VALUES if bad else _PLAUSIBLE)
+    return metrics
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(metrics=_reply_metrics())
+@example(metrics={METRIC_CV_BOUND: 1.0, KEY_NUM_EXAMPLES: 5})  # finding 1
+@example(  # finding 2
+    metrics={
+        KEY_NUM_EXAMPLES: 5,
+        METRIC_PRE_TRAIN_ACCURACY: 0.5,
+        METRIC_PRE_TRAIN_LOSS: 1e300,
+        METRIC_PRE_TRAIN_EXAMPLES: 1e9,
+    }
+)
+def test_fuzzed_reply_metrics_are_refused_or_recorded_finite(metrics: dict) -> None:
+    """EXAMPLES cases (10^4 in `make fuzz`): a train reply's metrics of any names and
+    values are refused by the reply checks (a Rejection), or the round's bookkeeping
+    reads them without raising into a record whose every number is finite."""
+    header = ConfigRecord(
+        {
+            KEY_PROTOCOL: PROTOCOL_VERSION,
+            KEY_STABLE_ID: CLIENT,
+            KEY_ROUND: ROUND,
+            KEY_PAYLOADS: pack_bundle({NAME: _valid(SPECS[0])}),
+        }
+    )
+    for name, value in metrics.items():
+        header[METRIC_PREFIX + name] = value
+    content = RecordDict({RECORD_HEADER: header})
+    try:
+        checked = check_reply(content, CLIENT, ROUND, [NAME])
+    except Rejection:
+        event("refused")
+        return
+    event("accepted")
+    counts = RoundCounts()
+    record_pre_train_metrics(counts, [(CLIENT, checked.metrics)], MAX_NUM_EXAMPLES, 4.0)
+    row = {"client": CLIENT, "uplink_wire_bytes": 1000}
+    arrays = {NAME: _input(SPECS[0]).numpy()}
+    item = Decoded(
+        CLIENT,
+        {},
+        checked.weight,
+        checked.metrics,
+        Message(content, dst_node_id=1, message_type=MessageType.TRAIN),
+        payloads=checked.payloads,
+    )
+    account_reply(
+        row, item, checked.metrics, checked.weight, ReplyReference(arrays, TensorPolicy())
+    )
+    summary = residual_summary(_CvStub(), counts, [row])
+    numbers = [counts.client_accuracy, counts.client_loss, *row.values(), *summary.values()]
+    assert all(math.isfinite(v) for v in numbers if isinstance(v, int | float))
+
+
+class _CvStub:
+    """A residual server's mirrors as residual_summary reads them."""
+
+    class store:
+        @staticmethod
+        def nbytes() -> int:
+            return 0

@@ -27,6 +27,7 @@ from fedcomp import downlink
 from fedcomp.bundle import pack_bundle, unpack_bundle
 from fedcomp.codecs import PayloadError, TensorPolicy, decode_bytes, make_codec
 from fedcomp.codecs.base import MAX_NESTING
+from fedcomp.codecs.entropy import work_size
 from fedcomp.codecs.wire import Payload, PayloadHeader
 from fedcomp.codecs.zstdframes import compress
 from fedcomp.downlink import (
@@ -448,3 +449,59 @@ def test_the_mod_still_takes_a_valid_instruction() -> None:
     meta = ctxt.state["fedcomp.replica-meta"]
     assert (meta["version"], meta["checksum"]) == (3, server.checksum)
     assert _config(msg)[KEY_DOWNLINK] == DOWNLINK_STEPS
+
+
+# ------------------------------------------- issue 41, finding 7: what a step may cost
+
+RANDK_ZSTD = {"name": "randk", "fraction": 1.0, "entropy": "zstd"}
+
+
+def test_compressed_steps_count_their_decompressed_bytes(decodes) -> None:
+    """The finding: 16 steps of zstd(random-k at fraction 1.0) on a model that did not
+    move weigh a few hundred bytes on the wire and a model's worth each once
+    decompressed (126x an honest step's client time). Each step now counts its
+    decompressed size (the server's rule and the client's): the server sends the model
+    instead, and the client refuses such steps before decoding any."""
+    server, replica = _lagging(RANDK_ZSTD, 0, shape=(400, 30))
+    still = {k: v.copy() for k, v in server.x_hat.items()}
+    steps = [server.advance(still) for _ in range(MAX_STEPS)]
+    wire = sum(len(p) for s in steps for p in s.payloads.values())
+    dense = sum(a.nbytes for a in server.x_hat.values())
+    assert wire < dense / 10 < dense < sum(s.nbytes for s in steps)
+    for step in steps:  # each step's count is its payloads' decompressed sizes
+        sizes = [work_size(p) for p in step.payloads.values()]
+        assert step.nbytes == sum(sizes) >= sum(len(p) for p in step.payloads.values())
+    server.confirmed[CLIENT] = 0
+    assert server.steps_for(CLIENT) is None  # the server: the model, not the steps
+    msg = _instruction(server, steps)
+    decodes.clear()
+    with pytest.raises(ReplicaError, match=r"weigh \d+ bytes, more than the \d+-byte model"):
+        rebuild_model(msg, replica)
+    assert decodes == []
+
+
+def test_a_client_that_names_its_downlink_codec_refuses_any_other() -> None:
+    """CompressionMod(downlink=...) fixes the codec this client decodes: an instruction
+    naming another is an error reply before anything is read, its state untouched; the
+    one it names is taken."""
+    server, replica = _lagging(ROTATE_ZSTD, 2)
+    for accepted, taken in ((UNIFORM4, False), (ROTATE_ZSTD, True)):
+        msg = _with_settings(_instruction(server))
+        ctxt = _context(replica)
+        before = _snapshot(ctxt.state)
+        seen: list[bool] = []
+
+        def app(m: Message, c: Context, seen=seen) -> Message:
+            seen.append(True)
+            raise RuntimeError("the app ran")
+
+        if taken:
+            with pytest.raises(RuntimeError, match="the app ran"):
+                CompressionMod(downlink=accepted)(msg, ctxt, app)
+            assert seen
+            continue
+        reply = CompressionMod(downlink=accepted)(msg, ctxt, app)
+        assert reply.has_error() and "accepts only" in reply.error.reason
+        assert not seen and _snapshot(ctxt.state) == before
+    with pytest.raises(ValueError, match="downlink"):
+        CompressionMod(downlink={"name": "ef", "inner": "sign"})

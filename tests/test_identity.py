@@ -361,3 +361,27 @@ def test_the_client_refuses_ids_out_of_range_naming_them(bad) -> None:
     reply = identity_reply(query, _context({"stable-id": bad}), "train")
     assert reply.has_error()
     assert "2**63" in reply.error.reason
+
+
+def test_one_key_holds_one_stable_id() -> None:
+    """Issue 41, finding 6: with bind_keys, a registered device (key A, holding id 0)
+    reconnecting under new node ids and claiming the free ids 1 and 2 is refused
+    them (wrong_key), so the real devices (keys B and C) still take 1 and 2. The
+    binding is one to one both ways: ids -> keys and keys -> ids."""
+    key_a, key_b, key_c = b"-----KEY A-----", b"-----KEY B-----", b"-----KEY C-----"
+    grid = FakeGrid({1: claims(0)}, keys={1: key_a})
+    ids = StableIds(reply_timeout=REPLY_TIMEOUT, bind_keys=True)
+    refresh(ids, grid)
+    grid.nodes[5], grid.keys[5] = claims(1), key_a
+    grid.nodes[6], grid.keys[6] = claims(2), key_a
+    refresh(ids, grid)
+    assert ids.stable_ids() == [0]
+    assert ids.failures == {IdentityFailure.WRONG_KEY: 2}
+    assert ids.refused == {5, 6}
+    del grid.nodes[5], grid.nodes[6]
+    grid.nodes[7], grid.keys[7] = claims(1), key_b
+    grid.nodes[8], grid.keys[8] = claims(2), key_c
+    refresh(ids, grid)
+    assert (ids.node_of(1), ids.node_of(2)) == (7, 8)
+    assert ids.keys == {0: key_a, 1: key_b, 2: key_c}
+    assert ids.holders == {key_a: 0, key_b: 1, key_c: 2}

@@ -317,25 +317,44 @@ def _drop_evaluation(metrics):
         del metrics[key]
 
 
+def _drop_one(metrics):
+    del metrics[METRIC_PRE_TRAIN_LOSS]
+
+
 @pytest.mark.parametrize(
-    "change, rejected",
+    "change",
     [
-        (_set(METRIC_PRE_TRAIN_ACCURACY, math.nan), True),
-        (_set(METRIC_PRE_TRAIN_LOSS, math.inf), True),
-        (_drop_evaluation, True),
-        (_set(METRIC_PRE_TRAIN_ACCURACY, 7.0), False),
-        (_set(METRIC_PRE_TRAIN_EXAMPLES, 1e12), False),
+        _set(METRIC_PRE_TRAIN_ACCURACY, math.nan),
+        _set(METRIC_PRE_TRAIN_LOSS, math.inf),
+        _drop_evaluation,
+        _drop_one,
+        _set(METRIC_PRE_TRAIN_ACCURACY, 7.0),
+        _set(METRIC_PRE_TRAIN_LOSS, -0.5),
+        _set(METRIC_PRE_TRAIN_EXAMPLES, 1e12),
+        _set(METRIC_PRE_TRAIN_EXAMPLES, 2.5),
     ],
-    ids=["nan_accuracy", "inf_loss", "missing", "accuracy_7", "huge_count"],
+    ids=[
+        "nan_accuracy",
+        "inf_loss",
+        "missing",
+        "incomplete",
+        "accuracy_7",
+        "negative_loss",
+        "huge_count",
+        "fractional_count",
+    ],
 )
-def test_a_bad_evaluation_costs_only_its_client(change, rejected: bool) -> None:
+def test_a_bad_evaluation_costs_only_its_client(change) -> None:
+    """Issue 41, finding 2: the pre-train evaluation is checked with the rest of the
+    train reply (all three fields or none, finite, accuracy in [0, 1], loss >= 0, an
+    integer count in [1, max_num_examples]): a reply that fails is refused whole, as
+    any bad train metric, and the mean is the other clients'."""
     settings = _settings(True)
     run = _run(settings, tamper=_tamper_metrics(change))
     others = [p for p in range(N) if p != BAD]
     first = run.records[0]
-    # non-finite or missing: the whole reply is refused like any bad train metric;
-    # out of range: the update is accepted, its evaluation left out of the mean
-    assert (first["replied"], first["failures"]) == ((N - 1, 1) if rejected else (N, 0))
+    assert (first["replied"], first["failures"]) == (N - 1, 1)
+    assert first["rejected"] == {"bad_metrics": 1}
     for record in run.records:
         acc, _ = _expected_mean(run, settings, record["round"], others)
         assert record["client_accuracy"] == pytest.approx(acc, rel=1e-12)

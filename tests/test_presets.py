@@ -515,3 +515,70 @@ def test_a_preset_with_a_bad_setting_fails_in_one_line_before_any_run(capsys, tm
     err = capsys.readouterr().err.strip()
     assert err == "error: invalid setting train.lr=0.0: must be > 0"
     assert not out.exists()
+
+
+def test_the_sweep_tool_takes_hydras_override_grammar_or_refuses_it_in_one_line(
+    capsys, tmp_path
+) -> None:
+    """Issue 41, finding 9: every override was split on '=', so Hydra's delete syntax
+    failed with 'not enough values to unpack'. Delete, add and force-add now compose as
+    Hydra composes them; what Hydra refuses is one line."""
+    from experiments.presets import main
+
+    (run,) = preset_settings("leaderboard_digits_smoke", "recipe=uniform4", "seed=0")
+    assert run.codec.get("block") is not None
+    (run,) = preset_settings(
+        "leaderboard_digits_smoke", "recipe=uniform4", "seed=0", "~codec.block"
+    )
+    assert "block" not in run.codec
+    (run,) = preset_settings(
+        "leaderboard_digits_smoke", "recipe=uniform4", "seed=0", "++codec.bits=3"
+    )
+    assert run.codec["bits"] == 3
+    for bad in ("a==b=c", "~codec.nothing"):
+        assert main(["leaderboard_digits_smoke", bad, "--out-dir", str(tmp_path / "x")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and "\n" not in err
+
+
+def test_a_codec_spec_is_checked_against_the_codecs_parameters_before_any_run(
+    capsys, tmp_path
+) -> None:
+    from experiments.presets import main
+
+    out = tmp_path / "sweep"
+    args = ["codec=residual", "codec.inner=randk", "+codec.fraction=0.1"]
+    assert main(["leaderboard_digits_smoke", "recipe=none", *args, "--out-dir", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: invalid setting codec=") and "does not take" in err
+    assert "\n" not in err and not out.exists()
+
+
+def test_a_run_that_fails_in_a_sweep_fails_that_run_only(monkeypatch, capsys, tmp_path) -> None:
+    """Any exception in one run of a sweep (not only RunFailed) is that run's: the
+    sweep goes on, and ends with status 1 naming how many failed."""
+    import experiments.presets as presets
+
+    calls = []
+
+    def flaky(settings):
+        calls.append(settings.seed)
+        if len(calls) == 1:
+            raise KeyError("a bug in one run")
+        return {
+            "summary": {
+                "final_accuracy": 0.5,
+                "best_accuracy": 0.5,
+                "total_wire_bytes": 1,
+                "total_ratio_vs_fp32": 1.0,
+            }
+        }
+
+    monkeypatch.setattr(presets, "run_inprocess", flaky)
+    out = tmp_path / "sweep"
+    code = presets.main(
+        ["leaderboard_digits_smoke", "recipe=fedavg", "seed=0,1", "--out-dir", str(out)]
+    )
+    printed = capsys.readouterr().out
+    assert code == 1 and len(calls) > 1
+    assert "FAILED: KeyError" in printed and f"1 of {len(calls)} runs failed" in printed

@@ -4,6 +4,8 @@ uninterrupted run does; without the clients' states, stateful codecs resync."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -110,3 +112,81 @@ def test_resume_with_client_states_equals_the_uninterrupted_residual_run(tmp_pat
         assert (a["accuracy"], a["loss"]) == (b["accuracy"], b["loss"])
     for name, value in full_ckpt.arrays.items():
         assert np.array_equal(value, resumed_ckpt.arrays[name]), name
+
+
+# --- issue 41, finding 10: a malformed checkpoint is refused in one line -------------
+
+
+def _stopped(tmp_path):
+    codec = {"name": "uniform", "bits": 4}
+    _run(tmp_path, "stopped", rounds=2, codec=codec, client_state=True)
+    return tmp_path / "stopped" / "checkpoint", codec
+
+
+def _refused(tmp_path, codec, match):
+    with pytest.raises(ValueError, match=match) as info:
+        _run(tmp_path, "resumed", rounds=4, codec=codec, resume=str(tmp_path / "stopped"))
+    assert "\n" not in str(info.value)  # one line
+    return str(info.value)
+
+
+def test_a_deeply_nested_state_file_is_refused_naming_it(tmp_path):
+    folder, codec = _stopped(tmp_path)
+    (folder / "state.json").write_text("[" * 100_000 + "]" * 100_000)
+    assert "state.json" in _refused(tmp_path, codec, "is not JSON|malformed")
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda s: s["state"]["strategy"].pop("rounds"),
+        lambda s: s["state"]["strategy"].__setitem__("rounds", 5),
+        lambda s: s["state"]["strategy"].__setitem__("accepted_round", "nothing"),
+        lambda s: s["state"]["strategy"].__setitem__("strikes", "x"),
+        lambda s: s["state"].pop("settings"),
+    ],
+    ids=["missing-key", "wrong-type", "not-a-mapping", "bad-strikes", "no-settings"],
+)
+def test_a_state_file_with_a_missing_key_or_a_wrong_type_is_refused_naming_it(tmp_path, change):
+    folder, codec = _stopped(tmp_path)
+    state = json.loads((folder / "state.json").read_text())
+    change(state)
+    (folder / "state.json").write_text(json.dumps(state))
+    assert "state.json" in _refused(tmp_path, codec, "state.json")
+
+
+def test_a_model_of_another_shape_is_refused_naming_its_file(tmp_path):
+    folder, codec = _stopped(tmp_path)
+    (model,) = folder.glob("model-*.npz")
+    with np.load(model) as data:
+        arrays = {k: data[k] for k in data.files}
+    name = next(iter(arrays))
+    arrays[name] = np.zeros((3, 3), arrays[name].dtype)
+    np.savez(model, **arrays)
+    assert model.name in _refused(tmp_path, codec, rf"tensor '{name}' is float32\[3, 3\]")
+
+
+def test_resume_copies_client_state_only_from_the_stopped_runs_own_directory(tmp_path):
+    """The client_state_dir a state file names is never read: a file pointing it at
+    another directory copies nothing from there."""
+    codec = {"name": "residual", "inner": "uniform", "bits": 2, "block": 64}
+    _run(tmp_path, "stopped", rounds=2, codec=codec, strategy="fedavg", client_state=True)
+    folder = tmp_path / "stopped" / "checkpoint"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "secret.npz").write_bytes(b"not the run's")
+    state = json.loads((folder / "state.json").read_text())
+    state["state"]["settings"]["client_state_dir"] = str(elsewhere)
+    (folder / "state.json").write_text(json.dumps(state))
+    _run(
+        tmp_path,
+        "resumed",
+        rounds=3,
+        codec=codec,
+        strategy="fedavg",
+        resume=str(tmp_path / "stopped"),
+        client_state=True,
+    )
+    copied = {p.name for p in (tmp_path / "resumed" / "client_state").iterdir()}
+    own = {p.name for p in (tmp_path / "stopped" / "client_state").iterdir()}
+    assert "secret.npz" not in copied and own <= copied

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import re
 import tomllib
 from pathlib import Path
 
@@ -87,3 +89,56 @@ def test_bad_values_fail_with_key_value_and_allowed(tree: dict, key: str, value:
 def test_unknown_name_lists_the_allowed_names() -> None:
     with pytest.raises(ValueError, match="allowed: digits"):
         validate(settings_from_dict({"dataset": {"name": "mnist"}}))
+
+
+# --- issue 41, finding 9: every number finite, every size bounded -----------------
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "train.lr",
+        "partition.alpha",
+        "simulation.round_timeout",
+        "simulation.cpus_per_client",
+        "simulation.gpus_per_client",
+        "aggregation.push_side",
+        "aggregation.norm_cap",
+        "train.momentum",
+        "learning_margin",
+    ],
+)
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_every_numeric_setting_refuses_nan_and_infinity_by_name(key, bad):
+    """One-sided checks (``x <= 0``) pass NaN: train.lr=nan ran a whole run and then
+    failed blaming the compression mod. Every number is checked finite first."""
+    group, _, name = key.rpartition(".")
+    tree = {group: {name: bad}} if group else {name: bad}
+    with pytest.raises(ValueError, match=rf"^invalid setting {re.escape(key)}={bad!r}: "):
+        validate(settings_from_dict(tree))
+
+
+def test_a_codec_parameter_the_codec_does_not_take_fails_before_any_run():
+    """codec=residual codec.inner=randk +codec.fraction=0.1 kept residual's bits and
+    block: the settings check passed and the run aborted with a traceback."""
+    spec = {"name": "residual", "inner": "randk", "bits": 2, "block": 64, "fraction": 0.1}
+    with pytest.raises(ValueError, match=r"^invalid setting codec=.*does not take .*bits, block"):
+        validate(settings_from_dict({"codec": spec}))
+    spec = {"name": "residual", "inner": "randk", "fraction": 0.1}
+    validate(settings_from_dict({"codec": spec}))  # the same codec, its own parameters
+
+
+def test_a_model_larger_than_the_bound_is_refused_before_anything_is_built():
+    """model.hidden=[200000, 200000] made a client try to allocate 160 GB before it
+    looked at the arrays: sizes are counted on PyTorch's meta device first."""
+    from fedcomp.models import MAX_MODEL_ELEMENTS, build_model, model_elements
+
+    wide = settings_from_dict({"model": {"hidden": [200_000, 200_000]}})
+    assert model_elements(wide.model, "digits") > MAX_MODEL_ELEMENTS
+    with pytest.raises(ValueError, match=r"^invalid setting model\.hidden=\[200000, 200000\]"):
+        validate(wide)  # before Ray, and on a client before it allocates anything:
+    with pytest.raises(ValueError, match=r"model\.hidden=\[200000, 200000\].*more than"):
+        build_model(wide.model, "digits", seed=0)
+    fine = settings_from_dict({"model": {"hidden": [256, 256]}})
+    elements = sum(t.numel() for t in build_model(fine.model, "digits", 0).state_dict().values())
+    assert model_elements(fine.model, "digits") == elements

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 import pytest
+import torch
 from flwr.app import MessageType
 
 from clients.client_app import make_client_app
@@ -51,7 +52,7 @@ def _measured(grid: InProcessGrid) -> dict[int, dict[str, list[int]]]:
     return out
 
 
-def _run(codec: dict, **overrides) -> tuple[dict, InProcessGrid]:
+def _run(codec: dict, inner_mods=None, **overrides) -> tuple[dict, InProcessGrid]:
     settings = settings_from_dict(
         {
             "num_clients": 6,
@@ -62,7 +63,7 @@ def _run(codec: dict, **overrides) -> tuple[dict, InProcessGrid]:
             **overrides,
         }
     )
-    grid = InProcessGrid(make_client_app(), settings.num_clients)
+    grid = InProcessGrid(make_client_app(inner_mods=inner_mods), settings.num_clients)
     return run_server(grid, settings), grid
 
 
@@ -142,3 +143,59 @@ def test_the_summary_counts_rounds_that_accepted_no_reply() -> None:
     stalled = [dict(results["rounds"][0]), {**results["rounds"][1], "replied": 0}]
     rebuilt = build_results(results["config"], stalled, wall_s=1.0)
     assert rebuilt["summary"]["rounds_without_accepted_reply"] == 1
+
+
+def test_the_server_computes_each_replys_fp32_reference_as_plain_flower_sends_it() -> None:
+    """Issue 41, finding 8: the fp32 reference of a train reply is the server's own
+    computation (fedcomp.flower.reference), no longer a size the client reports (one
+    lying client made a run report a ratio of 6.2e8): from the global model's layout
+    and the reply's metrics it gives exactly the wire bytes, objects and fp32 codec
+    bytes of the app's own reply, measured here on what the project's app returned."""
+    from flwr.app import MetricRecord
+
+    from fedcomp.codecs import TensorPolicy, make_codec
+    from fedcomp.codecs.policy import encode_all
+    from fedcomp.flower.accounting import wire_and_objects
+    from fedcomp.flower.reference import ReplyReference
+
+    seen = []
+
+    def plain(msg, ctxt, call_next):  # the app's own reply, before the mod
+        reply = call_next(msg, ctxt)
+        if msg.metadata.message_type == "train" and not reply.has_error():
+            received = next(iter(msg.content.array_records.values()))
+            seen.append(({k: v.numpy() for k, v in received.items()}, reply.content))
+        return reply
+
+    _run({"name": "uniform", "bits": 2}, num_rounds=1, inner_mods=[plain])
+    assert seen
+    policy = TensorPolicy()
+    for model, content in seen:
+        reference = ReplyReference(model, policy)
+        metrics = next(iter(content.metric_records.values()))
+        assert reference.content(MetricRecord(dict(metrics))) == wire_and_objects(content)
+        trained = {k: torch.from_numpy(v.numpy()) for k, v in content["arrays"].items()}
+        fp32 = encode_all(make_codec("fp32"), policy, trained, dict.fromkeys(trained, 0))
+        assert reference.codec_bytes == sum(len(p) for p in fp32.values())
+
+
+def test_the_reference_gives_equal_tensors_distinct_values() -> None:
+    """Flower sends identical objects once: a reference built from a model whose two
+    biases are equal (zeros at initialization) would count one Array and one chunk too
+    few. The reference weighs what trained (distinct) tensors weigh."""
+    import numpy as np
+    from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
+
+    from fedcomp.codecs import TensorPolicy
+    from fedcomp.flower.accounting import wire_and_objects
+    from fedcomp.flower.reference import ReplyReference
+
+    initial = {"w": np.zeros((4, 3), np.float32), "b1": np.zeros(3, np.float32)}
+    initial["b2"] = np.zeros(3, np.float32)
+    rng = np.random.default_rng(0)
+    trained = {k: rng.normal(size=v.shape).astype(v.dtype) for k, v in initial.items()}
+    metrics = MetricRecord({"num-examples": 10, "train_loss": 0.25})
+    content = RecordDict(
+        {"arrays": ArrayRecord({k: Array(v) for k, v in trained.items()}), "metrics": metrics}
+    )
+    assert ReplyReference(initial, TensorPolicy()).content(metrics) == wire_and_objects(content)

@@ -124,3 +124,17 @@ class EntropyCodec(Codec):
     def decode_payload(cls, payload: Payload) -> torch.Tensor:
         _, inner = cls._inner_payload(payload)
         return decode_inner(inner, cls.name)
+
+
+def work_size(payload: bytes) -> int:
+    """The bytes a decoder reads for this payload: the declared decompressed size of a
+    lossless-stage payload (zstd can expand a few bytes into a model's worth), else
+    its length. A payload too short to declare one counts as its length (it is
+    refused when it is checked)."""
+    try:
+        parsed = parse_payload(payload)
+    except PayloadError:
+        return len(payload)
+    if parsed.header.codec_id != EntropyCodec.codec_id or len(parsed.body) < _PARAMS.size:
+        return len(payload)
+    return max(len(payload), _PARAMS.unpack_from(memoryview(parsed.body), 0)[3])

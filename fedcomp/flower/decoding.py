@@ -113,7 +113,7 @@ class ReplyDecoder:
         arrival. Sorted by stable id.
         """
         repeats = Counter(self.stable_of(m.metadata.src_node_id) for m in replies)
-        if self.presum:  # sum in stable-id order as the replies are decoded
+        if self.stream:  # sums in stable-id order as the replies are decoded
             replies = sorted(replies, key=self._id_order)
         checks: list[tuple[Message, CheckedReply | Exception]] = []
         for msg in replies:
@@ -141,6 +141,9 @@ class ReplyDecoder:
             if state.presum is not None:
                 state.presum.add(item.stable_id, item.deltas, item.weight)
             if self.stream:
+                item.norm = update_norm(item.deltas)
+                if state.consensus is not None:
+                    state.consensus.add(item.stable_id, item.deltas, item.norm)
                 self._release(item, state)
             return item
         except Exception as exc:  # every failure is this client's only (decode_all)
@@ -153,9 +156,8 @@ class ReplyDecoder:
         return (sid is None, sid or 0)
 
     def _release(self, item: Decoded, state: RoundState) -> None:
-        """Keep the update's norm, drop the dense update (and a residual reply's
-        pending mirror: it is recomputed when committed), decode it again on load."""
-        item.norm = update_norm(item.deltas)
+        """Drop the dense update (its norm is kept) and a residual reply's pending
+        mirror (it is recomputed when committed); decode it again on load."""
         item.deltas = {}
         item.deferred, item.pending = item.pending is not None, None
         item.reload = lambda: self._redecode(item, state).deltas

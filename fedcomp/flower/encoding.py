@@ -13,11 +13,9 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, Message, MetricRecord
 
 from fedcomp.codecs import Codec, decode_bytes
-from fedcomp.codecs.policy import encode_all
-from fedcomp.flower.accounting import wire_and_objects
 from fedcomp.flower.families import family_of
 from fedcomp.flower.families.base import Encoded, Instruction
 from fedcomp.flower.memory_state import MemoryState
@@ -25,9 +23,6 @@ from fedcomp.keys import (
     KEY_NUM_EXAMPLES,
     METRIC_CODEC_BYTES,
     METRIC_ENCODE_S,
-    METRIC_FP32_CODEC_BYTES,
-    METRIC_FP32_CONTENT_OBJECTS,
-    METRIC_FP32_CONTENT_WIRE_BYTES,
     METRIC_REL_ERROR,
     METRIC_STATE_BYTES,
 )
@@ -88,13 +83,9 @@ def reply_metrics(
     encode_s: float,
     *,
     measure_error: bool,
-    fp32: Codec | None,
-    plain: RecordDict | None = None,
 ) -> MetricRecord:
-    """The user's train metrics plus fedcomp's own measurements of this reply
-    (``fp32``: also the fp32 reference bytes of the same tensors, and with ``plain``,
-    the app's own reply content, what plain Flower would have sent, its wire bytes;
-    None skips them)."""
+    """The user's train metrics plus fedcomp's own measurements of this reply (the
+    fp32 reference is the server's to compute: fedcomp.flower.reference)."""
     out = MetricRecord(dict(metrics))
     out[METRIC_ENCODE_S] = encode_s
     out[METRIC_CODEC_BYTES] = sum(len(b) for b in encoded.payloads.values())
@@ -104,12 +95,4 @@ def reply_metrics(
         out[key] = value
     if encoded.memory is not None:
         out[METRIC_STATE_BYTES] = encoded.memory.nbytes
-    if fp32 is not None:  # the fp32 reference bytes of the same tensors
-        seeds = instruction.seeds(deltas)
-        reference = encode_all(fp32, instruction.policy, deltas, seeds)
-        out[METRIC_FP32_CODEC_BYTES] = sum(len(b) for b in reference.values())
-        if plain is not None:
-            wire, objects = wire_and_objects(plain)
-            out[METRIC_FP32_CONTENT_WIRE_BYTES] = wire
-            out[METRIC_FP32_CONTENT_OBJECTS] = objects
     return out

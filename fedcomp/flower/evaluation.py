@@ -5,19 +5,22 @@ when the clients evaluate inside the train round (settings.evaluate_in_train).""
 from __future__ import annotations
 
 import logging
-import math
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 
-from flwr.app import Message, MetricRecord
+import numpy as np
+from flwr.app import Message, MetricRecord, RecordDict
 
 from fedcomp.failures import Failure
 from fedcomp.flower.validation import ReplyError, check_evaluate_reply, majority_keys
+from fedcomp.influence import MAX_NUM_EXAMPLES, cap_weights
 from fedcomp.keys import (
+    KEY_NUM_EXAMPLES,
     METRIC_PRE_TRAIN_ACCURACY,
     METRIC_PRE_TRAIN_EXAMPLES,
     METRIC_PRE_TRAIN_LOSS,
 )
+from fedcomp.own_metrics import PRE_TRAIN_METRICS, own_metrics_problem
 from fedcomp.results_file import CLIENT_EVAL_EVALUATE, CLIENT_EVAL_PRE_TRAIN, RoundCounts
 
 log = logging.getLogger("fedcomp.flower.strategy")  # one logger for the wrapper's lines
@@ -41,10 +44,11 @@ def record_pre_train_metrics(
     record: RoundCounts,
     replies: Sequence[tuple[int, Mapping[str, float]]],
     max_examples: float,
+    weight_cap: float = 0.0,
 ) -> None:
     """The round's client evaluation from its accepted train replies' pre-train metrics
     (stable id, metrics), when they carry them: nothing is recorded otherwise."""
-    mean = pre_train_mean(replies, max_examples)
+    mean = pre_train_mean(replies, max_examples, weight_cap)
     if mean is None:
         return
     accuracy, loss, examples = mean
@@ -58,51 +62,38 @@ def record_pre_train_metrics(
 
 
 def pre_train_mean(
-    replies: Sequence[tuple[int, Mapping[str, float]]], max_examples: float
+    replies: Sequence[tuple[int, Mapping[str, float]]],
+    max_examples: float,
+    weight_cap: float = 0.0,
 ) -> tuple[float, float, float] | None:
     """Accuracy and loss averaged over the replies, each weighted by its own
     ``pre-train-examples`` (not num-examples: the client's training set size is not
     the size of the data it evaluated on), and the examples in all; None when no reply
     carries a usable evaluation.
 
-    A reply whose values are out of range (accuracy outside [0, 1], a negative loss,
-    a count that is not an integer in [1, ``max_examples``]) is left out of the mean,
-    logged: its update was accepted on its own checks, and a count alone must not let
-    one client outweigh the others. Non-finite values never reach here (the train
-    reply checks refuse the whole reply)."""
-    total = acc_sum = loss_sum = 0.0
+    The counts are capped like train weights (``weight_cap`` x the lower median
+    count, fedcomp.influence.cap_weights) and the mean is taken with normalized
+    weights, so it lies between the smallest and the largest value reported: finite
+    for any finite reports. The replies were checked with the rest of their train
+    metrics (fedcomp.own_metrics); one that is out of range here anyway is left out,
+    logged."""
+    kept = []
     for sid, metrics in replies:
         if METRIC_PRE_TRAIN_ACCURACY not in metrics:
             continue
-        problem = _pre_train_problem(metrics, max_examples)
+        problem = own_metrics_problem({k: metrics.get(k) for k in PRE_TRAIN_METRICS}, max_examples)
         if problem:
             log.warning("client %s: pre-train evaluation left out of the mean: %s", sid, problem)
             continue
-        weight = float(metrics[METRIC_PRE_TRAIN_EXAMPLES])
-        total += weight
-        acc_sum += weight * float(metrics[METRIC_PRE_TRAIN_ACCURACY])
-        loss_sum += weight * float(metrics[METRIC_PRE_TRAIN_LOSS])
-    if total == 0:
+        kept.append(metrics)
+    if not kept:
         return None
-    return acc_sum / total, loss_sum / total, total
-
-
-def _pre_train_problem(metrics: Mapping[str, float], max_examples: float) -> str:
-    """What is wrong with one reply's pre-train metrics ("" when nothing is)."""
-    keys = (METRIC_PRE_TRAIN_ACCURACY, METRIC_PRE_TRAIN_LOSS, METRIC_PRE_TRAIN_EXAMPLES)
-    values = [metrics.get(k) for k in keys]
-    if any(isinstance(v, list) or v is None or not math.isfinite(v) for v in values):
-        return f"needs finite {', '.join(keys)}, got {values!r}"
-    accuracy, loss, examples = values
-    if not 0 <= accuracy <= 1:
-        return f"{METRIC_PRE_TRAIN_ACCURACY}={accuracy!r} is not in [0, 1]"
-    if loss < 0:
-        return f"{METRIC_PRE_TRAIN_LOSS}={loss!r} is negative"
-    if examples != int(examples) or not 1 <= examples <= max_examples:
-        return (
-            f"{METRIC_PRE_TRAIN_EXAMPLES}={examples!r} is not an integer in [1, {max_examples:g}]"
-        )
-    return ""
+    counts = [float(m[METRIC_PRE_TRAIN_EXAMPLES]) for m in kept]
+    weights = np.asarray(cap_weights(counts, weight_cap), dtype=np.float64)
+    shares = weights / weights.sum()
+    accuracy = float(shares @ [float(m[METRIC_PRE_TRAIN_ACCURACY]) for m in kept])
+    loss = float(shares @ [float(m[METRIC_PRE_TRAIN_LOSS]) for m in kept])
+    return accuracy, loss, float(weights.sum())
 
 
 def first_present(metrics: MetricRecord, keys: tuple[str, ...]) -> float | None:
@@ -118,11 +109,15 @@ def valid_evaluate_replies(
     *,
     stable_of: Callable[[int], int | None],
     asked: set[int],
+    max_examples: float = MAX_NUM_EXAMPLES,
+    weight_cap: float = 0.0,
 ) -> list[Message]:
     """The evaluate replies fit to aggregate, sorted by stable id: asked this round, one
-    per client, one MetricRecord of finite numbers with a positive example count, the
-    metric names most replies carry (Flower's aggregation raises on inconsistent
-    replies, which would end the ServerApp)."""
+    per client, one MetricRecord of finite numbers with a positive example count of at
+    most ``max_examples``, the metric names most replies carry (Flower's aggregation
+    raises on inconsistent replies, which would end the ServerApp). Example counts are
+    capped at ``weight_cap`` x the lower median count (fedcomp.influence.cap_weights),
+    as train weights are: one client cannot set the aggregated metrics by its count."""
     sids = [stable_of(m.metadata.src_node_id) for m in replies]
     repeats = Counter(sids)
     checked = []
@@ -135,10 +130,10 @@ def valid_evaluate_replies(
                 raise ReplyError("not asked to evaluate this round", Failure.NOT_ASKED)
             if repeats[sid] > 1:
                 raise ReplyError("more than one evaluate reply", Failure.DUPLICATE)
-            metrics = check_evaluate_reply(msg.content)
+            metrics = check_evaluate_reply(msg.content, max_examples=max_examples)
         except ReplyError as exc:
             log.warning(
-                "round %d: evaluate reply of client %s set aside [%s]: %s",
+                "round %d: evaluate reply of client %s set aside [%s]: %.300s",
                 server_round,
                 sid,
                 exc.kind,
@@ -152,11 +147,30 @@ def valid_evaluate_replies(
     for sid, other, _ in checked:
         if other != keys:
             log.warning(
-                "round %d: evaluate reply of client %s set aside: metric names %s, "
-                "most replies carry %s",
+                "round %d: evaluate reply of client %s set aside: metric names %.200s, "
+                "most replies carry %.200s",
                 server_round,
                 sid,
                 sorted(other),
                 sorted(keys),
             )
-    return [m for _, k, m in sorted(checked, key=lambda c: c[0]) if k == keys]
+    kept = [m for _, k, m in sorted(checked, key=lambda c: c[0]) if k == keys]
+    return cap_evaluate_weights(kept, weight_cap)
+
+
+def cap_evaluate_weights(replies: list[Message], factor: float) -> list[Message]:
+    """The replies with each example count capped (a capped reply is a copy with the
+    new count; the others are the replies themselves)."""
+    counts = [
+        float(next(iter(m.content.metric_records.values()))[KEY_NUM_EXAMPLES]) for m in replies
+    ]
+    out = []
+    for msg, count, capped in zip(replies, counts, cap_weights(counts, factor), strict=True):
+        if capped >= count:
+            out.append(msg)
+            continue
+        (name, metrics), *_ = msg.content.metric_records.items()
+        content = RecordDict(dict(msg.content.items()))
+        content[name] = MetricRecord({**dict(metrics), KEY_NUM_EXAMPLES: capped})
+        out.append(Message(content, reply_to=msg))
+    return out

@@ -21,14 +21,15 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 from fedcomp.aggregate import weighted_mean
 from fedcomp.flower.round_state import Decoded, RoundState
 from fedcomp.keys import KEY_NUM_EXAMPLES, RECORD_METRICS
+
+# Client metric names with this prefix are fedcomp's own: aggregated by the wrapper,
+# not handed to the inner strategy.
+from fedcomp.own_metrics import OWN_PREFIX
 from fedcomp.trees.aggregate import TreeConfig, TreeStats
 from fedcomp.trees.stream import streaming_tree_mean
 
 log = logging.getLogger("fedcomp.flower.strategy")
 
-#: Client metric names starting with this prefix are fedcomp's own; they are
-#: aggregated by the wrapper and not handed to the inner strategy.
-OWN_PREFIX = "fedcomp."
 _ARRAYS = "arrays"
 
 

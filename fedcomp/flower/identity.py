@@ -250,8 +250,10 @@ class StableIds:
         self.failures: Counter[IdentityFailure] = Counter()
         #: Connected nodes without a stable id: when they are asked again.
         self.retries: dict[int, Retry] = {}
-        #: The public key each stable id is bound to (``bind_keys``).
+        #: The public key each stable id is bound to, and the stable id each key is
+        #: bound to: one to one (``bind_keys``).
         self.keys: dict[int, bytes] = {}
+        self.holders: dict[bytes, int] = {}
         self._refreshes = 0
         #: Whether any node ever held a stable id (else the run cannot start: NoIdentity).
         self._ever_known = False
@@ -406,12 +408,21 @@ class StableIds:
                 "SuperNode authentication: --enable-supernode-auth)",
                 IdentityFailure.NO_KEY,
             )
+        holder = self.holders.get(key)
+        if holder is not None and holder != stable_id:
+            # One key, one id: a registered device reconnecting under new node ids
+            # must not bind every free id it claims and lock the real devices out.
+            raise IdentityRefused(
+                f"this SuperNode's public key is bound to stable id {holder}, not {stable_id}",
+                IdentityFailure.WRONG_KEY,
+            )
         bound = self.keys.setdefault(stable_id, key)
         if bound != key:
             raise IdentityRefused(
                 f"stable id {stable_id} is bound to another SuperNode's public key",
                 IdentityFailure.WRONG_KEY,
             )
+        self.holders[key] = stable_id
 
     def _fail(
         self, node_id: int, kind: IdentityFailure, reason: str, claimed: int | None = None

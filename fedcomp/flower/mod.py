@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,7 @@ from fedcomp.codecs import (
     make_codec,
     make_codec_from_spec,
 )
-from fedcomp.downlink import Replica, ReplicaError
+from fedcomp.downlink import Replica, ReplicaError, parse_downlink
 from fedcomp.flower.encoding import (
     Instruction,
     encode_update,
@@ -151,9 +151,6 @@ class CompressionMod:
     ----------
     policy : TensorPolicy, optional
         Which tensors travel raw (integer buffers, tensors below a size threshold).
-    measure_fp32_reference : bool (default: True)
-        Also measure the fp32 codec's bytes on the same tensors, the denominator
-        of the reported compression ratios (costs one extra dense serialization).
     measure_error : bool (default: True)
         Report the codec's relative error sum ||decode(q) - x||^2 / sum ||x||^2 over
         the encoded tensors (costs one decode).
@@ -173,17 +170,23 @@ class CompressionMod:
         the instruction, e.g. from the seed in the app's run config: with the server's
         ``downlink.initial="seeded"`` a client with no replica then receives only the
         downlink steps since round 1, not the model (a checksum verifies the result).
+    downlink : Mapping, optional
+        The one downlink codec spec this client decodes, e.g. ``{"name": "uniform",
+        "bits": 4}`` (the server's ``downlink`` without ``memory``); an instruction
+        naming another is refused. Without it the client decodes the stateless codec
+        the server names, each instruction bounded to at most the model's bytes
+        (decompressed) and 16 steps (docs/downlink.md).
     """
 
     def __init__(
         self,
         policy: TensorPolicy | None = None,
         *,
-        measure_fp32_reference: bool = True,
         measure_error: bool = True,
         state_dir: str | Callable[[Message], str | None] | None = None,
         state_in_context: bool | Callable[[Message], bool] = True,
         initial_model: Callable[[Message], ArrayRecord] | None = None,
+        downlink: Mapping[str, Any] | None = None,
     ) -> None:
         if state_in_context is False and state_dir is None:
             raise ValueError("CompressionMod: state_in_context=False needs a state_dir")
@@ -191,7 +194,9 @@ class CompressionMod:
         self.state_dir = state_dir
         self.state_in_context = state_in_context
         self.initial_model = initial_model
-        self.measure_fp32_reference = measure_fp32_reference
+        #: The one downlink codec this client decodes (None: whatever the server
+        #: names, each instruction bounded in cost: docs/downlink.md).
+        self.downlink = None if downlink is None else parse_downlink(downlink).codec
         self.measure_error = measure_error
         self._fp32 = make_codec("fp32")
         #: The last codec spec read and the codec built from it: a run sends the same
@@ -282,8 +287,6 @@ class CompressionMod:
             deltas,
             encode_s,
             measure_error=self.measure_error,
-            fp32=self._fp32 if self.measure_fp32_reference else None,
-            plain=reply.content,
         )
         header = {
             KEY_STABLE_ID: instruction.stable_id,
@@ -320,7 +323,9 @@ class CompressionMod:
             initial = (lambda: _as_numpy(build(msg))) if build is not None else None
             config = downlink_config(msg.content)
             policy = self._policy(config) if config is not None else self.policy
-            replica = rebuild_model(msg, load_replica(ctxt.state, path), initial, policy)
+            replica = rebuild_model(
+                msg, load_replica(ctxt.state, path), initial, policy, accept=self.downlink
+            )
             store_replica(ctxt.state if self._in_context(msg) else None, replica, path)
         except (ReplicaError, ValueError, KeyError, TypeError) as exc:
             return _precondition_error(msg, f"CompressionMod: downlink replica: {exc}")

@@ -77,8 +77,5 @@ class ServerOptions:
             trees=agg.trees,
             fraction_train=sampling.fraction_train,
             fraction_evaluate=sampling.fraction_evaluate,
-            weight_cap=influence.weight_cap,
-            norm_cap=influence.norm_cap,
-            reject_factor=influence.reject_factor,
-            max_num_examples=influence.max_num_examples,
+            influence=influence,
         )

@@ -29,7 +29,7 @@ def loss_growth(loss: float | None, reference: float | None) -> float | None:
     return loss / reference
 
 
-def fail_if_diverged(rounds: list[dict[str, Any]]) -> None:
+def fail_if_diverged(rounds: list[dict[str, Any]], causes: str = _ADVICE) -> None:
     """A global model whose central loss or accuracy stopped being finite diverged (the
     rounds after it cannot have learned anything), and so did one whose last loss is
     still DIVERGING_FACTOR times its reference or more."""
@@ -37,7 +37,7 @@ def fail_if_diverged(rounds: list[dict[str, Any]]) -> None:
     if bad is not None:
         raise RunFailed(
             f"the global model diverged: its central {', '.join(bad['nonfinite_metrics'])} "
-            f"became non-finite at round {bad['round']}. {_ADVICE}"
+            f"became non-finite at round {bad['round']}. {causes}"
         )
     if rounds and (rounds[-1].get("loss_growth") or 0.0) >= DIVERGING_FACTOR:
         last = rounds[-1]
@@ -45,7 +45,7 @@ def fail_if_diverged(rounds: list[dict[str, Any]]) -> None:
         raise RunFailed(
             f"the global model diverged: its central loss ended at {last['loss']:.4g}, "
             f"{last['loss_growth']:.0f}x the initial one (growing since round "
-            f"{first['round']}). {_ADVICE}"
+            f"{first['round']}). {causes}"
         )
 
 
@@ -132,8 +132,34 @@ def fail_if_not_learning(
         )
 
 
-def likely_causes(codec_json: str, strategy_name: str) -> str:
-    """The likely causes of a run that did not learn, given what it ran."""
+def bounded_clients(rounds: list[dict[str, Any]]) -> str:
+    """The clients the influence bounds cut in at least half of the rounds, named with
+    how often each bound did, or "" (fedcomp.flower.bounds)."""
+    counts: dict[int, Counter[str]] = {}
+    for record in rounds:
+        for bound, ids in record.get("bounded", {}).items():
+            for sid in ids:
+                counts.setdefault(int(sid), Counter())[bound] += 1
+    frequent = {sid: c for sid, c in counts.items() if max(c.values()) * 2 >= len(rounds)}
+    if not frequent:
+        return ""
+    named = "; ".join(
+        f"client {sid} ({', '.join(f'{k} in {v} rounds' for k, v in sorted(c.items()))})"
+        for sid, c in sorted(frequent.items())[:10]
+    )
+    return (
+        f"The influence bounds cut {len(frequent)} client(s) in most rounds: {named}. "
+        "A hostile or misconfigured client is the likely cause (docs/reliability.md, "
+        "'Bounded influence')."
+    )
+
+
+def likely_causes(codec_json: str, strategy_name: str, rounds: list[dict[str, Any]] = ()) -> str:
+    """The likely causes of a run that did not learn, given what it ran: clients the
+    influence bounds kept cutting first, then the codec and strategy."""
+    bounded = bounded_clients(list(rounds))
+    if bounded:
+        return bounded
     codec = json.loads(codec_json)
     if is_sparse(codec) and strategy_name.lower() in COORDINATEWISE_ROBUST:
         return (
@@ -149,3 +175,45 @@ def likely_causes(codec_json: str, strategy_name: str) -> str:
         "Likely causes: too much compression for this task (codec, downlink), a "
         "learning rate too high or too low, or too few rounds."
     )
+
+
+#: A run whose model steps are below this fraction of its clients' typical update
+#: (the rounds' reference norms), in the median round, did not follow its clients.
+FOLLOW_RATIO = 0.01
+
+
+def not_following(rounds: list[dict[str, Any]]) -> str | None:
+    """Why a run's model did not follow its clients' updates, or None: in the median
+    round that measured both, the model's step was below FOLLOW_RATIO times the
+    reference norm (its clients' typical update). A check that needs no evaluation:
+    a model stalled by near-zero steps fails it (docs/reliability.md)."""
+    ratios = sorted(
+        r["step_norm"] / r["reference_norm"]
+        for r in rounds
+        if _number(r.get("step_norm"))
+        and _number(r.get("reference_norm"))
+        and r["reference_norm"] > 0
+    )
+    if not ratios:
+        return None
+    median = ratios[(len(ratios) - 1) // 2]
+    if median >= FOLLOW_RATIO:
+        return None
+    return (
+        f"its steps were {median:.3g} times its clients' typical update in the median "
+        f"round (below {FOLLOW_RATIO:g}): the aggregate did not follow the updates"
+    )
+
+
+def client_initial_and_final(
+    rounds: list[dict[str, Any]],
+) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """The clients' own evaluation of the initial and the final model, when the run
+    has it: the pre-train evaluation (evaluate_in_train) of its first round measures
+    the initial model; None otherwise."""
+    evaluated = [r for r in rounds if r.get("client_eval") == "pre-train"]
+    if not evaluated or evaluated[0]["round"] != 1 or len(evaluated) < 2:
+        return None
+    first, last = evaluated[0], evaluated[-1]
+    as_central = lambda r: {"accuracy": r.get("client_accuracy"), "loss": r.get("client_loss")}  # noqa: E731
+    return as_central(first), as_central(last)

@@ -8,7 +8,6 @@ majority, or, in fedcomp.flower.bounds, for an outlying norm. Nothing here raise
 from __future__ import annotations
 
 import logging
-import re
 
 from flwr.app import Message
 
@@ -29,11 +28,11 @@ def reject(state: RoundState, sid: int | None, exc: Exception) -> None:
         state.record.nonfinite += 1
     if kind is Failure.RESYNC:
         state.record.resync_requests += 1
-        log.warning("round %d: client %s: %s", state.number, sid, exc)
+        log.warning("round %d: client %s: %.300s", state.number, sid, exc)
         return
     if kind is Failure.UNEXPECTED:  # a decoder bug, not the client's fault alone
         log.error(
-            "round %d: reply of client %s could not be decoded (%s: %s)",
+            "round %d: reply of client %s could not be decoded (%s: %.300s)",
             state.number,
             sid,
             type(exc).__name__,
@@ -41,13 +40,21 @@ def reject(state: RoundState, sid: int | None, exc: Exception) -> None:
             exc_info=exc,
         )
     else:
-        log.warning("round %d: rejected reply of client %s [%s]: %s", state.number, sid, kind, exc)
+        log.warning(
+            "round %d: rejected reply of client %s [%s]: %.300s", state.number, sid, kind, exc
+        )
 
 
-def count_error_reply(state: RoundState, sid: int | None, msg: Message) -> None:
-    """An error reply (the client's mod or app failed): a fault of its kind."""
-    injected = re.search(FAULT_REASON_PREFIX + r"(\w+)", str(msg.error.reason))
-    state.record.count_fault(injected.group(1) if injected else "error_reply")
+def count_error_reply(
+    state: RoundState, sid: int | None, msg: Message, expected: str | None = None
+) -> None:
+    """An error reply (the client's mod or app failed): a fault of the kind the run's
+    own fault injection drew for this client and round (``expected``, the server's
+    draw, fedcomp.injected) when its reason names it, else ``error_reply``. The
+    client's error text alone never sets the kind counted."""
+    reason = str(msg.error.reason)
+    injected = expected is not None and FAULT_REASON_PREFIX + expected in reason
+    state.record.count_fault(expected if injected else "error_reply")
     log.warning(
         "round %d: client %s replied with an error: %s",
         state.number,
@@ -76,6 +83,8 @@ def drop_metric_misfits(decoded: list[Decoded], state: RoundState) -> list[Decod
             if keys is None
             else f"most replies carry {sorted(keys)}"
         )
-        exc = ReplyError(f"train metric names {sorted(other)}, {majority}", Failure.BAD_METRICS)
+        exc = ReplyError(
+            f"train metric names {sorted(other)!r:.200}, {majority:.200}", Failure.BAD_METRICS
+        )
         reject(state, item.stable_id, exc)
     return kept

@@ -172,6 +172,8 @@ def rebuild_model(
     replica: Replica,
     initial: Callable[[], Mapping[str, np.ndarray]] | None = None,
     policy: TensorPolicy | None = None,
+    *,
+    accept: Mapping[str, Any] | None = None,
 ) -> Replica:
     """Apply what the instruction carries to the replica and put the model back into
     ``msg`` (in place, so the reply still answers this message); return the new replica.
@@ -189,7 +191,8 @@ def rebuild_model(
         malformed field of the instruction (the only exception it raises on one).
 
     ``initial`` builds version 0, the initial model, on a client with no replica
-    (``downlink.initial=seeded``); the checksum after the steps checks it.
+    (``downlink.initial=seeded``); the checksum after the steps checks it. ``accept``:
+    the one downlink codec this client decodes (the mod's own setting).
     """
     config = downlink_config(msg.content)
     if config is None:
@@ -203,7 +206,7 @@ def rebuild_model(
         raise ReplicaError(
             f"unknown downlink mode {mode!r:.40}, allowed: {DOWNLINK_FULL}, {DOWNLINK_STEPS}"
         )
-    codec = _downlink_codec(config)
+    codec = _downlink_codec(config, accept)
     arrays_key = _field(config, KEY_DOWNLINK_ARRAYS, str)
     blob = config.get(KEY_DOWNLINK_PAYLOADS)
     if blob is None:
@@ -251,18 +254,24 @@ def _full_model(msg: Message) -> dict[str, np.ndarray]:
         raise ReplicaError(f"the full model does not deserialize: {exc}") from exc
 
 
-def _downlink_codec(config: ConfigRecord) -> Codec:
+def _downlink_codec(config: ConfigRecord, accept: Mapping[str, Any] | None = None) -> Codec:
     """The downlink codec the instruction says the server encodes with, checked like
     the server's own setting (a stateless codec: at most entropy around rotate around
-    a quantizer)."""
+    a quantizer), and, with ``accept``, the one this client decodes."""
     text = _field(config, KEY_DOWNLINK_CODEC, str)
     try:
         spec = json.loads(text)
         if not isinstance(spec, dict):
             raise ValueError(f"a JSON object is needed, got {text!r:.80}")
-        return parse_downlink(spec).build()
+        codec = parse_downlink(spec).build()
     except (ValueError, TypeError, RecursionError) as exc:
         raise ReplicaError(f"downlink codec: {exc}") from exc
+    if accept is not None and dict(codec.spec()) != dict(accept):
+        raise ReplicaError(
+            f"downlink codec {json.dumps(codec.spec(), sort_keys=True):.200}: this client "
+            f"accepts only {json.dumps(dict(accept), sort_keys=True):.200}"
+        )
+    return codec
 
 
 def _max_headers_chars(names: list[str]) -> int:

@@ -17,17 +17,21 @@ from typing import Any
 
 from flwr.app import MetricRecord
 
+from fedcomp.failures import RunFailed
 from fedcomp.flower.outcome import (
     DIVERGING_FACTOR,
     LOSS_FLAG_FACTOR,
     best_loss,
+    client_initial_and_final,
     fail_if_diverged,
     fail_if_not_learning,
     fail_if_nothing_learned,
     likely_causes,
     loss_growth,
+    not_following,
+    not_learning,
 )
-from fedcomp.flower.round_records import client_rows, log_line, round_record
+from fedcomp.flower.round_records import bare_record, client_rows, log_line, round_record
 from fedcomp.flower.round_state import RoundState
 from fedcomp.observers import Reporting
 
@@ -64,24 +68,31 @@ class RoundBook:
             return
         if state is None or state.number != server_round:
             return
-        record = round_record(
-            server_round,
-            central_dict,
-            state.record,
-            client_rows(state.per_client, state.traffic),
-            round_s=time.perf_counter() - state.t_start,
-            codec_spec=json.loads(self.codec_json),
-            tensor_codecs=state.tensor_codecs,
-            cv=self.cv,
-            traffic=state.traffic,
-        )
+        try:
+            record = round_record(
+                server_round,
+                central_dict,
+                state.record,
+                client_rows(state.per_client, state.traffic),
+                round_s=time.perf_counter() - state.t_start,
+                codec_spec=json.loads(self.codec_json),
+                tensor_codecs=state.tensor_codecs,
+                cv=self.cv,
+                traffic=state.traffic,
+            )
+        except Exception as exc:  # the round's bookkeeping never ends the run
+            log.error("round %d: its record could not be built", server_round, exc_info=exc)
+            record = bare_record(server_round, central_dict, state.record, exc)
         if nonfinite:
             record["nonfinite_metrics"] = nonfinite
         self._flag_losses(record)
         self.rounds.append(record)
         self._log(record)
         if self.reporting.on_round is not None:
-            self.reporting.on_round(record)
+            try:
+                self.reporting.on_round(record)
+            except Exception as exc:  # an observer (a checkpoint, a display) failing
+                log.error("round %d: the on_round observer failed", server_round, exc_info=exc)
 
     def _initial(self, central: dict[str, Any]) -> None:
         self.initial_evaluation = central
@@ -129,15 +140,26 @@ class RoundBook:
         """Fail the run (RunFailed) if its rounds from index ``first`` on learned
         nothing or diverged, or, with the learning check on, if its model ended no
         better than it started."""
+        causes = likely_causes(self.codec_json, strategy_name, self.rounds)
         fail_if_nothing_learned(self.rounds[first:])
-        fail_if_diverged(self.rounds[first:])
-        if self.reporting.learning_check:
-            fail_if_not_learning(
-                self.initial_evaluation,
-                self.rounds,
-                self.reporting.learning_margin,
-                likely_causes(self.codec_json, strategy_name),
+        fail_if_diverged(self.rounds[first:], causes)
+        if not self.reporting.learning_check:
+            return
+        margin = self.reporting.learning_margin
+        if self.initial_evaluation:
+            fail_if_not_learning(self.initial_evaluation, self.rounds, margin, causes)
+            return
+        # No central evaluation: the clients' own evaluation of the initial model when
+        # they report one, and in any case whether the model followed their updates.
+        pair = client_initial_and_final(self.rounds)
+        why = not_learning(*pair, margin) if pair is not None else None
+        if why is not None:
+            raise RunFailed(
+                f"the model did not learn: by the clients' own evaluation, its {why}. {causes}"
             )
+        why = not_following(self.rounds[first:])
+        if why is not None:
+            raise RunFailed(f"the model did not learn: {why}. {causes}")
 
     def state_dict(self) -> dict[str, Any]:
         return {

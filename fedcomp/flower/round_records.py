@@ -9,6 +9,7 @@ from flwr.app import MetricRecord
 
 from fedcomp.controlvariates import ControlVariateServer
 from fedcomp.flower.accounting import wire_and_objects
+from fedcomp.flower.reference import ReplyReference
 from fedcomp.flower.round_state import Decoded
 from fedcomp.keys import (
     METRIC_CODEC_BYTES,
@@ -17,13 +18,11 @@ from fedcomp.keys import (
     METRIC_CV_NOISE,
     METRIC_CV_RESIDUAL,
     METRIC_ENCODE_S,
-    METRIC_FP32_CODEC_BYTES,
-    METRIC_FP32_CONTENT_OBJECTS,
-    METRIC_FP32_CONTENT_WIRE_BYTES,
     METRIC_OUT_OF_RANGE,
     METRIC_REL_ERROR,
     METRIC_STATE_BYTES,
 )
+from fedcomp.own_metrics import OWN_PREFIX
 from fedcomp.progress import human_bytes
 from fedcomp.results_file import RoundCounts
 from fedcomp.traffic import Kind, Traffic
@@ -53,11 +52,17 @@ def empty_client_row(stable_id: int) -> dict[str, Any]:
     }
 
 
-def account_reply(row: dict[str, Any], item: Decoded, metrics: MetricRecord, weight: float) -> None:
+def account_reply(
+    row: dict[str, Any],
+    item: Decoded,
+    metrics: MetricRecord,
+    weight: float,
+    reference: ReplyReference,
+) -> None:
     """Fill a decoded reply's row: measured codec bytes, the client's own metrics, and
-    the fp32 reference: the same reply with the app's own content, what plain Flower
-    would have sent (its wire bytes = the reply's minus its content's plus the
-    client-measured app content's)."""
+    the fp32 reference, computed by the server (fedcomp.flower.reference): the same
+    reply with the app's own content, what plain Flower would have sent (its wire
+    bytes = the reply's minus its content's plus the plain content's)."""
     row["uplink_codec_bytes"] = sum(len(p) for p in item.payloads.values())
     row["encode_s"] = float(metrics.get(METRIC_ENCODE_S, 0.0))
     row["num_examples"] = int(weight)
@@ -68,14 +73,12 @@ def account_reply(row: dict[str, Any], item: Decoded, metrics: MetricRecord, wei
     if METRIC_REL_ERROR in metrics:
         row["codec_rel_error"] = float(metrics[METRIC_REL_ERROR])
     content_wire, content_objects = wire_and_objects(item.message.content)
-    if METRIC_FP32_CODEC_BYTES in metrics and METRIC_FP32_CONTENT_WIRE_BYTES in metrics:
-        row["fp32_codec_bytes"] = int(metrics[METRIC_FP32_CODEC_BYTES])
-        row["fp32_wire_bytes"] = (
-            row["uplink_wire_bytes"] - content_wire + int(metrics[METRIC_FP32_CONTENT_WIRE_BYTES])
-        )
-    if METRIC_FP32_CONTENT_OBJECTS in metrics:  # the same for the objects
-        row["content_objects"] = content_objects
-        row["fp32_content_objects"] = int(metrics[METRIC_FP32_CONTENT_OBJECTS])
+    plain_wire, plain_objects = reference.content(
+        MetricRecord({k: v for k, v in metrics.items() if not k.startswith(OWN_PREFIX)})
+    )
+    row["fp32_codec_bytes"] = reference.codec_bytes
+    row["fp32_wire_bytes"] = row["uplink_wire_bytes"] - content_wire + plain_wire
+    row["content_objects"], row["fp32_content_objects"] = content_objects, plain_objects
 
 
 def mean(values: list[float]) -> float | None:
@@ -163,7 +166,19 @@ def _outcome_fields(counts: RoundCounts, round_s: float) -> dict[str, Any]:
         **({"identity_failures": counts.identity_failures} if counts.identity_failures else {}),
         "capped": counts.capped,
         "clipped": counts.clipped,
+        "held": counts.held,
         "norm_ratio": counts.norm_ratio,
+        "consensus_ratio": counts.consensus_ratio,
+        "reference_norm": counts.reference_norm,
+        "step_norm": counts.step_norm,
+        # Which clients each bound changed (stable ids): the likely cause a failed run names.
+        **(
+            {"bounded": {k: v for k, v in counts.bounded.items() if v}}
+            if any(counts.bounded.values())
+            else {}
+        ),
+        **({"reference_fallback": 1} if counts.reference_fallback else {}),
+        **({"strikes": {str(k): v for k, v in counts.strikes.items()}} if counts.strikes else {}),
         **({"diagnostics": counts.diagnostics} if counts.diagnostics is not None else {}),
         **({"downlink": counts.downlink} if counts.downlink is not None else {}),
         **(
@@ -204,6 +219,7 @@ def _codec_section(
         **({"tree": counts.tree} if counts.tree is not None else {}),
         **({"joint": counts.joint} if counts.joint is not None else {}),
         **({"decode_passes": counts.decode_passes} if counts.decode_passes is not None else {}),
+        **({"consensus_loads": counts.consensus_loads} if counts.consensus_loads else {}),
     }
 
 
@@ -240,3 +256,25 @@ def log_line(record: Mapping[str, Any], num_rounds: int) -> str:
         f"| evaluate wire {human_bytes(evaluate, 3)} "
         f"| {record['replied']}/{record['selected']} replied | {record['round_s']:.2f} s"
     )
+
+
+def bare_record(
+    server_round: int, central: Mapping[str, float], counts: RoundCounts, error: Exception
+) -> dict[str, Any]:
+    """A round's record when the full one could not be built (a bug in the
+    bookkeeping): the evaluation and the reply counts, zero bytes, and the error."""
+    return {
+        "round": server_round,
+        "accuracy": central.get("accuracy"),
+        "loss": central.get("loss"),
+        "client_accuracy": None,
+        "client_loss": None,
+        **dict.fromkeys(_SUMMED, 0),
+        "per_client": [],
+        "traffic": {},
+        "total_wire_bytes": 0,
+        "fp32_total_wire_bytes": 0,
+        **_outcome_fields(counts, 0.0),
+        "codec": {},
+        "record_error": f"{type(error).__name__}: {error}"[:500],
+    }

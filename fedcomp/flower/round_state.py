@@ -15,6 +15,7 @@ from fedcomp.results_file import RoundCounts
 from fedcomp.traffic import Traffic
 
 if TYPE_CHECKING:  # the joint family's module imports the reply checks, which import this
+    from fedcomp.flower.consensus import ConsensusSum
     from fedcomp.flower.families.joint import JointRound
 
 
@@ -46,20 +47,57 @@ class Decoded:
     #: reducer adds it (one dense update alive at a time; docs/trees.md).
     norm: float | None = None
     reload: Callable[[], dict[str, np.ndarray]] | None = None
-    #: Norm clipping of a released update, applied when it is loaded.
+    #: Influence bounds, applied when the update is loaded (a released update) or
+    #: once all of them are decided (:meth:`settle`): a scale (norm clipping, the
+    #: trust region's) and a shift along the round's consensus direction
+    #: (fedcomp.flower.bounds). ``bounded``: whether any of them changed the update.
     scale: float = 1.0
+    shift: tuple[float, dict[str, np.ndarray]] | None = None
+    bounded: bool = False
 
     def load(self) -> dict[str, np.ndarray]:
-        """The decoded update (clipped), decoding it again when it was released."""
-        if self.reload is None:
-            return self.deltas
-        deltas = self.reload()
-        if self.scale == 1.0:
-            return deltas
-        return {
-            k: (v * self.scale).astype(v.dtype) if v.dtype.kind == "f" else v
-            for k, v in deltas.items()
-        }
+        """The decoded update (bounded), decoding it again when it was released."""
+        deltas = self.deltas if self.reload is None else self.reload()
+        return _bounded(deltas, self.scale, self.shift)
+
+    def rescale(self, factor: float) -> None:
+        """Scale the update by ``factor`` (norm clipping)."""
+        self.scale *= factor
+        self.bounded = True
+
+    def steer(self, factor: float, along: float, unit: dict[str, np.ndarray]) -> None:
+        """Make the update ``factor * u + along * unit`` (``unit``: its floating
+        tensors; once a round: the consensus trust region)."""
+        assert self.shift is None, "one consensus shift a round"
+        self.scale *= factor
+        self.shift = (along, unit) if along != 0.0 else None
+        self.bounded = True
+
+    def settle(self) -> None:
+        """Apply the bounds to an update held in memory (a released one gets them when
+        it is loaded): both compute ``_bounded`` on the decoded update, bit for bit."""
+        if self.reload is None and (self.scale != 1.0 or self.shift is not None):
+            self.deltas = _bounded(self.deltas, self.scale, self.shift)
+            self.scale, self.shift = 1.0, None
+
+
+def _bounded(
+    deltas: dict[str, np.ndarray], scale: float, shift: tuple[float, dict[str, np.ndarray]] | None
+) -> dict[str, np.ndarray]:
+    """``scale * u + along * unit`` per floating tensor (computed in float64, stored in
+    the update's dtype); integer buffers as they are."""
+    if scale == 1.0 and shift is None:
+        return deltas
+    out = {}
+    for k, v in deltas.items():
+        if v.dtype.kind != "f":
+            out[k] = v
+            continue
+        value = v.astype(np.float64) * scale
+        if shift is not None and k in shift[1]:
+            value += shift[0] * shift[1][k].astype(np.float64)
+        out[k] = value.astype(v.dtype)
+    return out
 
 
 @dataclass
@@ -85,7 +123,7 @@ class Presum:
         """Whether this sum is the plain mean of exactly these accepted replies."""
         return (
             self.members == [(d.stable_id, d.weight) for d in decoded]
-            and all(d.scale == 1.0 for d in decoded)
+            and not any(d.bounded for d in decoded)
             and self.running.total == float(sum(d.weight for d in decoded))
         )
 
@@ -106,3 +144,6 @@ class RoundState:
     traffic: Traffic = field(default_factory=Traffic)
     #: The plain mean summed during the first decode (streaming hand-off only).
     presum: Presum | None = None
+    #: The influence bounds' consensus summed during the first decode (streaming;
+    #: fedcomp.flower.consensus).
+    consensus: ConsensusSum | None = None

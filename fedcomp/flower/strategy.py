@@ -36,6 +36,7 @@ from fedcomp.flower.options import ServerOptions
 from fedcomp.flower.round_book import print_through_flower
 from fedcomp.flower.round_state import RoundState
 from fedcomp.flower.wiring import build_parts, summary_line
+from fedcomp.influence import update_norm
 from fedcomp.observers import Reporting
 from fedcomp.traffic import Kind, Traffic
 
@@ -232,6 +233,7 @@ class CompressedStrategy(Strategy):
             state.record,
             [(d.stable_id, d.metrics) for d in decoded],
             self.options.influence.max_num_examples,
+            self.options.influence.weight_cap,
         )
         t1 = time.perf_counter()
         handed = self.uplink.hand_off(decoded, state)
@@ -248,6 +250,9 @@ class CompressedStrategy(Strategy):
         state.record.decode_s, state.record.aggregate_s = t1 - t0, time.perf_counter() - t1
         if arrays is not None:
             new = {k: np.asarray(v.numpy()) for k, v in arrays.items()}
+            state.record.step_norm = update_norm(
+                {k: new[k] - state.global_arrays[k] for k in new if k in state.global_arrays}
+            )
             if (probe := self.reporting.update_probe) is not None:
                 ids = [d.stable_id for d in decoded]
                 state.record.diagnostics = dict(probe(server_round, state.global_arrays, new, ids))
@@ -297,8 +302,14 @@ class CompressedStrategy(Strategy):
         state, stable_of = self._current(server_round), self.clients.ids.stable_of
         if state is not None:
             count_replies(state.traffic, Kind.EVALUATE_REPLY, replies, stable_of)
+        influence = self.options.influence
         valid = valid_evaluate_replies(
-            replies, server_round, stable_of=stable_of, asked=self._evaluate_sent
+            replies,
+            server_round,
+            stable_of=stable_of,
+            asked=self._evaluate_sent,
+            max_examples=influence.max_num_examples,
+            weight_cap=influence.weight_cap,
         )
         metrics = self.inner.aggregate_evaluate(server_round, valid)
         if state is not None and metrics:

@@ -28,9 +28,11 @@ from fedcomp.flower.decoding import ReplyDecoder
 from fedcomp.flower.families import Family
 from fedcomp.flower.handoff import make_handoff
 from fedcomp.flower.options import ServerOptions
+from fedcomp.flower.reference import ReplyReference, layout_of
 from fedcomp.flower.rejection import count_error_reply, drop_metric_misfits
 from fedcomp.flower.round_records import account_reply, empty_client_row
 from fedcomp.flower.round_state import Decoded, RoundState
+from fedcomp.injected import draw_fault
 from fedcomp.traffic import Kind
 from fedcomp.trees.aggregate import TreeConfig, TreeStats
 
@@ -66,6 +68,12 @@ class Uplink:
     ) -> None:
         agg, influence = options.aggregation, options.influence
         self.aggregation = agg
+        #: The policy the clients apply (the fp32 reference's raw tensors).
+        self.policy = policy or TensorPolicy()
+        self.reference: ReplyReference | None = None
+        #: Fault injection's rates, from the task the clients get (clients.faults).
+        self.fault_rates = dict((options.task or {}).get("faults") or {})
+        self.run_seed = run_seed
         #: The codec family's server half: what each reply decodes to, and its state.
         self.half = family.server(policy, run_seed, agg.mirror_dir)
         self.joint = self.half.joint
@@ -96,6 +104,8 @@ class Uplink:
         """The round's accepted replies, decoded, sorted by stable id and acknowledged
         (``accepted_round`` gets each accepted client's round)."""
         self._account(replies, state)
+        if self.decoder.stream:
+            state.consensus = self.bounds.start_consensus()
         decoded = self.decoder.decode_all(replies, state)
         decoded = drop_metric_misfits(decoded, state)
         decoded = drop_outliers(decoded, state, self.reject_factor)
@@ -120,7 +130,7 @@ class Uplink:
             wire = measure_and_record(state.traffic, Kind.TRAIN_REPLY, msg, client=sid)
             row["uplink_wire_bytes"] = row.get("uplink_wire_bytes", 0) + wire
             if msg.has_error():
-                count_error_reply(state, sid, msg)
+                count_error_reply(state, sid, msg, self._expected_fault(state.number, sid))
                 continue
             row["uplink_record_bytes"] = row.get("uplink_record_bytes", 0) + record_bytes(
                 msg.content
@@ -130,23 +140,36 @@ class Uplink:
         self, decoded: list[Decoded], state: RoundState, accepted_round: dict[int, int]
     ) -> None:
         """Account the accepted replies, move their mirrors, and acknowledge them."""
+        reference = self._reference(state)
         for item in decoded:
             row = state.per_client[item.stable_id]
-            account_reply(row, item, item.metrics, item.weight)
-            if "fp32_wire_bytes" in row:  # the reply's fp32 size, measured by the client
-                state.traffic.correct_fp32(
-                    Kind.TRAIN_REPLY,
-                    row["uplink_wire_bytes"],
-                    row["fp32_wire_bytes"],
-                    objects=(row["content_objects"], row["fp32_content_objects"])
-                    if "fp32_content_objects" in row
-                    else None,
-                )
+            account_reply(row, item, item.metrics, item.weight, reference)
+            state.traffic.correct_fp32(  # the reply's fp32 size, computed by the server
+                Kind.TRAIN_REPLY,
+                row["uplink_wire_bytes"],
+                row["fp32_wire_bytes"],
+                objects=(row["content_objects"], row["fp32_content_objects"]),
+            )
             if item.pending is not None:
                 self.half.commit(item.pending)
             state.record.resyncs += item.sync == SYNC_FULL
             state.record.restarts += item.sync == SYNC_RESTART
             accepted_round[item.stable_id] = state.number
+
+    def _expected_fault(self, server_round: int, sid: int | None) -> str | None:
+        """The fault the run's injection drew for this client (None: none, or no
+        injection: fedcomp.injected)."""
+        if sid is None or not self.fault_rates or not any(self.fault_rates.values()):
+            return None
+        return draw_fault(self.fault_rates, self.run_seed, server_round, sid)
+
+    def _reference(self, state: RoundState) -> ReplyReference:
+        """The fp32 reference of this round's replies (rebuilt when the model's
+        layout changes; fedcomp.flower.reference)."""
+        layout = layout_of(state.global_arrays)
+        if self.reference is None or self.reference.layout != layout:
+            self.reference = ReplyReference(state.global_arrays, self.policy)
+        return self.reference
 
     def settle(
         self, arrays: ArrayRecord | None, metrics: MetricRecord | None, state: RoundState
@@ -186,11 +209,11 @@ class Uplink:
             "joint": None,
             **self.half.state_dict(),
             "tree_stats": self.tree_stats.state_dict(),
-            "reference_norm": self.bounds.reference_norm,
+            **self.bounds.state_dict(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.bounds.reference_norm = state.get("reference_norm")
+        self.bounds.load_state_dict(state)
         self.half.load_state_dict(state)
         if "tree_stats" in state:
             self.tree_stats.load_state_dict(state["tree_stats"])

@@ -38,6 +38,7 @@ from fedcomp.keys import (
     PROTOCOL_VERSION,
     RECORD_HEADER,
 )
+from fedcomp.own_metrics import own_metrics_problem
 from fedcomp.rng import derive_seed
 
 _RAW = RawCodec()
@@ -114,7 +115,7 @@ def check_reply(
             f"invalid {KEY_NUM_EXAMPLES}={weight!r}: must be in (0, {max_weight:g}]",
             Failure.BAD_WEIGHT,
         )
-    check_train_metrics(metrics)
+    check_train_metrics(metrics, max_weight)
     try:
         payloads = payloads_of(header, names)
     except BundleError as exc:
@@ -122,21 +123,29 @@ def check_reply(
     return CheckedReply(header, metrics, float(weight), payloads)
 
 
-def check_train_metrics(metrics: MetricRecord) -> None:
+def check_train_metrics(metrics: MetricRecord, max_examples: float = MAX_NUM_EXAMPLES) -> None:
     """Every train metric is one finite number: Flower's metric aggregation weighs each
     by num-examples, and a list among scalars (or NaN) made it raise and end the
-    ServerApp."""
+    ServerApp. fedcomp's own metrics and the pre-train evaluation, which the server
+    reads, are also complete and in range (fedcomp.own_metrics)."""
     for key, value in metrics.items():
         if isinstance(value, list) or not math.isfinite(value):
             raise ReplyError(
-                f"train metric {key}={value!r} is not a finite number", Failure.BAD_METRICS
+                f"train metric {key:.80}={value!r:.40} is not a finite number",
+                Failure.BAD_METRICS,
             )
+    problem = own_metrics_problem(metrics, max_examples)
+    if problem:
+        raise ReplyError(f"train metrics: {problem}", Failure.BAD_METRICS)
 
 
-def check_evaluate_reply(content: RecordDict, weighted_by: str = KEY_NUM_EXAMPLES) -> MetricRecord:
+def check_evaluate_reply(
+    content: RecordDict, weighted_by: str = KEY_NUM_EXAMPLES, max_examples: float = MAX_NUM_EXAMPLES
+) -> MetricRecord:
     """An evaluate reply holds exactly one MetricRecord of finite numbers, with a
-    positive ``weighted_by`` count (what Flower's aggregation needs; anything else made
-    Flower raise and end the ServerApp)."""
+    ``weighted_by`` count in (0, ``max_examples``] (what Flower's aggregation needs;
+    anything else made Flower raise and end the ServerApp, and a count of 1e300 let
+    one client set the aggregated metrics)."""
     if len(content.metric_records) != 1:
         raise ReplyError(
             f"an evaluate reply needs exactly one MetricRecord, got {len(content.metric_records)}"
@@ -145,10 +154,15 @@ def check_evaluate_reply(content: RecordDict, weighted_by: str = KEY_NUM_EXAMPLE
     for key, value in metrics.items():
         values = value if isinstance(value, list) else [value]
         if not all(math.isfinite(v) for v in values):
-            raise ReplyError(f"evaluate metric {key}={value!r} is not finite", Failure.NONFINITE)
+            raise ReplyError(
+                f"evaluate metric {key:.80}={value!r:.80} is not finite", Failure.NONFINITE
+            )
     weight = metrics.get(weighted_by)
-    if isinstance(weight, list) or weight is None or not weight > 0:
-        raise ReplyError(f"invalid {weighted_by}={weight!r}", Failure.BAD_WEIGHT)
+    if isinstance(weight, list) or weight is None or not 0 < weight <= max_examples:
+        raise ReplyError(
+            f"invalid {weighted_by}={weight!r:.40}: must be in (0, {max_examples:g}]",
+            Failure.BAD_WEIGHT,
+        )
     return metrics
 
 
