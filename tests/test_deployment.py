@@ -485,6 +485,7 @@ def test_loopback_job_matches_the_in_process_path_byte_for_byte(tmp_path: Path) 
 
 
 @pytest.mark.deployment
+@pytest.mark.slow  # about 35 s: `make deploy-test` and `make test-slow` run it
 def test_socket_bytes_account_for_every_message_fedcomp_counted(tmp_path: Path) -> None:
     """The network comparison, in make test: one SuperNode, one round, through the
     launcher's counting proxy and the SuperNode's own call log (tap.py).

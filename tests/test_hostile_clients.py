@@ -11,6 +11,7 @@ The same holds for the one-bit joint path and the residual protocol.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 
@@ -243,11 +244,17 @@ def test_fedcomps_own_metrics_are_checked_like_any_field(name, value, caplog):
     metrics incomplete, non-finite, out of range or unknown: each reply is its
     sender's bad_metrics failure, the run goes on, and the round's residual summary
     is the honest clients' (it indexed a missing key and ended the ServerApp)."""
-    lost, _, _ = run_round(RESIDUAL, None, rounds=2)
     strategy, _, _ = run_round(RESIDUAL, _metric(name, value), rounds=2)
     record = strategy.rounds[1]
     assert record["rejected"] == {Failure.BAD_METRICS: len(HOSTILE)}
-    assert record["codec"]["residual_norm2_mean"] == lost.rounds[1]["codec"]["residual_norm2_mean"]
+    lost = _residual_round_without_the_hostile_clients()
+    assert record["codec"]["residual_norm2_mean"] == lost["codec"]["residual_norm2_mean"]
+
+
+@functools.cache
+def _residual_round_without_the_hostile_clients() -> dict:
+    lost, _, _ = run_round(RESIDUAL, None, rounds=2)
+    return lost.rounds[1]
 
 
 def test_a_pre_train_evaluation_at_the_edge_of_its_range_keeps_every_record_finite(tmp_path):

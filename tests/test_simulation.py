@@ -173,8 +173,11 @@ def _layout_bytes(spec: dict, shape: tuple[int, ...]) -> int:
 @pytest.mark.parametrize(
     "spec",
     [
-        pytest.param({"name": "uniform", "bits": 4, "block": 256}, id="uniform4"),
-        # Under Ray as well as in-process (test_pipeline_inprocess): slow here.
+        # Under Ray as well as in-process (test_pipeline_inprocess, test_traffic): slow
+        # here (make test keeps one Ray simulation of its own: first_run above).
+        pytest.param(
+            {"name": "uniform", "bits": 4, "block": 256}, id="uniform4", marks=pytest.mark.slow
+        ),
         pytest.param({"name": "randk", "fraction": 0.05}, id="randk", marks=pytest.mark.slow),
     ],
 )
