@@ -5,7 +5,9 @@
 A recipe is one uplink codec, one downlink and the server strategy (the swept
 ``codec.*``, ``downlink.*`` and ``strategy.*`` settings: FedProx in fp32 is a recipe);
 FedAvg, the reference, is fp32 both ways with the FedAvg strategy. Each recipe's target
-is FedAvg's mean final accuracy over seeds minus ``tolerance`` (one point); for every
+is FedAvg's mean final accuracy over seeds (with ``window`` > 1: the mean of its last
+``window`` rounds, its converged accuracy) minus ``tolerance`` (one point), reached by
+the ``score``'s model (the server's, or the clients' replica); for every
 seed, the bytes spent until the first round whose central accuracy reaches it are
 cumulated from the measured per-round counts: ``total_wire_bytes`` (every message of the
 round, both directions, evaluation included) and ``uplink_wire_bytes`` (train replies).
@@ -80,7 +82,21 @@ def _median(values: Sequence[int]) -> float | None:
     return float(np.median(values)) if values else None
 
 
-def rank_recipes(runs: Sequence[dict[str, Any]], tolerance: float = 0.01) -> list[dict[str, Any]]:
+def converged_accuracy(run: dict[str, Any], window: int) -> float:
+    """The mean central accuracy of a run's last ``window`` rounds that evaluated."""
+    evaluated = [r["accuracy"] for r in run["rounds"] if r["accuracy"] is not None]
+    if not evaluated:
+        raise ValueError("a FedAvg run without central accuracy cannot set the target")
+    return float(np.mean(evaluated[-window:]))
+
+
+def rank_recipes(
+    runs: Sequence[dict[str, Any]],
+    tolerance: float = 0.01,
+    *,
+    window: int = 1,
+    score: str = "server",
+) -> list[dict[str, Any]]:
     """One entry per recipe, best first (see the module docstring).
 
     Raises
@@ -98,15 +114,17 @@ def rank_recipes(runs: Sequence[dict[str, Any]], tolerance: float = 0.01) -> lis
     fedavg = [r for r in runs if is_reference(r)]
     if not fedavg:
         raise ValueError("no FedAvg run (fp32 both ways): the leaderboard needs the reference")
-    target = float(np.mean([r["summary"]["final_accuracy"] for r in fedavg])) - tolerance
+    target = float(np.mean([converged_accuracy(r, window) for r in fedavg])) - tolerance
     reference = {
-        key: _median([b for r in fedavg if (b := bytes_to_reach(r, target, key)) is not None])
+        key: _median(
+            [b for r in fedavg if (b := bytes_to_reach(r, target, key, score)) is not None]
+        )
         for key in KEYS
     }
     entries = []
     for members in groups.values():
         spent = {
-            key: [b for m in members if (b := bytes_to_reach(m, target, key)) is not None]
+            key: [b for m in members if (b := bytes_to_reach(m, target, key, score)) is not None]
             for key in KEYS
         }
         finals = [m["summary"]["final_accuracy"] for m in members]
@@ -157,12 +175,20 @@ def _x(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.1f}x"
 
 
-def leaderboard(runs: Sequence[dict[str, Any]], tolerance: float = 0.01) -> str:
+def leaderboard(
+    runs: Sequence[dict[str, Any]],
+    tolerance: float = 0.01,
+    *,
+    window: int = 1,
+    score: str = "server",
+) -> str:
     """The ranked table and the headline numbers, as markdown."""
-    entries = rank_recipes(runs, tolerance)
+    entries = rank_recipes(runs, tolerance, window=window, score=score)
     target = entries[0]["target"]
+    which = "final accuracy" if window == 1 else f"accuracy over its last {window} rounds"
     lines = [
-        f"Target: FedAvg's mean final accuracy minus {tolerance:g} = {target:.4f}. "
+        f"Target: FedAvg's mean {which} minus {tolerance:g} = {target:.4f}, reached by "
+        f"the {score}'s model. "
         "Bytes are medians over the seeds that reach it, cumulated from the measured "
         "per-round counts; ratios are FedAvg's bytes to the same target over the "
         "recipe's.",
@@ -201,10 +227,16 @@ def leaderboard(runs: Sequence[dict[str, Any]], tolerance: float = 0.01) -> str:
 
 
 def leaderboard_plot(
-    runs: Sequence[dict[str, Any]], path: Path, top: int = 6, tolerance: float = 0.01
+    runs: Sequence[dict[str, Any]],
+    path: Path,
+    top: int = 6,
+    tolerance: float = 0.01,
+    *,
+    window: int = 1,
+    score: str = "server",
 ) -> Path:
     """Accuracy against cumulative total bytes for FedAvg and the ``top`` recipes."""
-    entries = rank_recipes(runs, tolerance)
+    entries = rank_recipes(runs, tolerance, window=window, score=score)
     chosen = [e for e in entries if e["fedavg"]] + [e for e in entries if not e["fedavg"]][:top]
     runs_shown = [m for e in chosen for m in e["members"]]
     return accuracy_plot(runs_shown, path, TOTAL, label_of=lambda run: recipe_label(run["config"]))

@@ -170,15 +170,32 @@ def cumulative(run: dict[str, Any], key: str) -> np.ndarray | None:
     return np.cumsum([rnd[key] for rnd in run["rounds"]])
 
 
-def bytes_to_reach(run: dict[str, Any], target: float, key: str) -> int | None:
-    """Cumulative ``key`` bytes at the first round whose accuracy reaches ``target``."""
+def bytes_to_reach(
+    run: dict[str, Any], target: float, key: str, score: str = "server"
+) -> int | None:
+    """Cumulative ``key`` bytes at the first round whose accuracy reaches ``target``
+    (``score``: SCORES, whose model's accuracy)."""
     total = cumulative(run, key)
     if total is None:
         return None
     for rnd, spent in zip(run["rounds"], total, strict=True):
-        if rnd["accuracy"] is not None and rnd["accuracy"] >= target:
+        accuracy = scored_accuracy(rnd, score)
+        if accuracy is not None and accuracy >= target:
             return int(spent)
     return None
+
+
+#: Whose model a leaderboard scores each round: the server's (``accuracy``: the model
+#: the run returns, what a user keeps), or the clients' replica (``replica_accuracy``:
+#: the model they hold under a compressed downlink; the server's when it is the same).
+SCORES = ("server", "replica")
+
+
+def scored_accuracy(rnd: dict[str, Any], score: str) -> float | None:
+    """A round's central accuracy of the scored model."""
+    if score == "replica" and rnd.get("replica_accuracy") is not None:
+        return rnd["replica_accuracy"]
+    return rnd["accuracy"]
 
 
 def _group_key(run: dict[str, Any], keys: Sequence[str]) -> tuple:
@@ -568,6 +585,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="rank recipes by total bytes to FedAvg's accuracy minus --tolerance "
         "(experiments.leaderboard); with --plot, accuracy vs total bytes of the top ones",
     )
+    parser.add_argument(
+        "--window",
+        type=int,
+        default=1,
+        help="with --leaderboard: FedAvg's accuracy is the mean of its last WINDOW rounds "
+        "(its converged accuracy; default 1: the final round)",
+    )
+    parser.add_argument(
+        "--score",
+        choices=SCORES,
+        default="server",
+        help="with --leaderboard: whose model reaches the target: the server's (the model "
+        "a user keeps) or the clients' replica",
+    )
     parser.add_argument("--plot", type=Path, help="write accuracy vs uplink bytes (PNG)")
     parser.add_argument(
         "--out-dir",
@@ -594,9 +625,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             from experiments.leaderboard import leaderboard, leaderboard_plot
 
             runs = select(load_all(args.root), args.only)
-            text = leaderboard(runs, args.tolerance)
+            text = leaderboard(runs, args.tolerance, window=args.window, score=args.score)
             if args.plot:
-                leaderboard_plot(runs, args.plot, tolerance=args.tolerance)
+                leaderboard_plot(
+                    runs, args.plot, tolerance=args.tolerance, window=args.window, score=args.score
+                )
         elif args.paired or args.plot or args.out_dir:
             runs = select(load_all(args.root), args.only)
             text = (

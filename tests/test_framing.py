@@ -467,3 +467,49 @@ def test_a_decoded_replys_fp32_objects_replace_its_content() -> None:
     assert (counts.objects, counts.fp32_objects) == (3, 3 - 2 + 16)
     assert (counts.wire_bytes, counts.fp32_wire_bytes) == (500, 900)
     assert counts_before.objects() == 3 and counts_before.objects(fp32=True) == 17
+
+
+def test_the_converged_leaderboard_targets_fedavgs_last_rounds_and_scores_either_model(
+    monkeypatch,
+) -> None:
+    """Issue 42: the target is FedAvg's mean accuracy over its last ``window`` rounds
+    minus a point (its converged accuracy, not its noisy final round), and the score is
+    the server's model or, declared as such, the clients' replica."""
+    import experiments.leaderboard as lb
+    from experiments.framing import Direction, FramingModel
+
+    model = FramingModel(Direction(100, 10, 1.0), Direction(100, 10, 1.0), 5.0)
+    monkeypatch.setattr(lb, "load_model", lambda: model)
+    fedavg = _hand_run("fp32", 10, 1000, [0.5, 0.80, 0.90, 0.84])  # last two: 0.87
+    small = _hand_run("uniform", 3, 50, [0.5, 0.6, 0.86, 0.7])
+    for rnd, replica in zip(small["rounds"], [0.5, 0.87, 0.6, 0.9], strict=True):
+        rnd["replica_accuracy"] = replica
+    final = {e["recipe"]: e for e in lb.rank_recipes([fedavg, small])}
+    assert final["up fp32 / down fp32"]["target"] == pytest.approx(0.84 - 0.01)
+    assert final["up uniform / down fp32"]["total_to_target"] == 3 * 2 * 50  # 0.86 in round 3
+    converged = {e["recipe"]: e for e in lb.rank_recipes([fedavg, small], window=2)}
+    entry = converged["up uniform / down fp32"]
+    assert entry["target"] == pytest.approx((0.90 + 0.84) / 2 - 0.01)
+    assert entry["total_to_target"] == 3 * 2 * 50
+    replica = {e["recipe"]: e for e in lb.rank_recipes([fedavg, small], window=2, score="replica")}
+    assert replica["up uniform / down fp32"]["total_to_target"] == 2 * 2 * 50  # 0.87 in round 2
+    assert replica["up fp32 / down fp32"]["total_to_target"] == 3 * 2 * 1000  # its own: 0.90
+    text = lb.leaderboard([fedavg, small], window=2)
+    assert "accuracy over its last 2 rounds minus 0.01 = 0.8600, reached by the server's" in text
+
+
+def test_the_horizon_rule_finds_where_a_curve_stops_gaining_half_a_point() -> None:
+    """experiments.horizon: m(t) the 20-round trailing mean; the plateau is the first t
+    with m(t + 50) - m(t) < 0.005, computed here on a curve built to flatten at 120."""
+    from experiments.horizon import plateau_round, trailing_mean
+
+    rounds = np.arange(1, 301)
+    curve = np.where(rounds < 120, 0.5 + 0.4 * rounds / 120, 0.9)
+    m = trailing_mean(curve)
+    assert m[19] == pytest.approx(curve[:20].mean()) and m[0] == curve[0]
+    expected = next(t + 1 for t in range(19, 250) if m[t + 50] - m[t] < 0.005)
+    assert plateau_round(curve) == expected
+    # the trailing mean reaches within half a point of the flat level 0.9 a few rounds
+    # after the curve does (its window still holds the last rising rounds)
+    assert 120 < expected < 140
+    assert plateau_round(0.5 + 0.4 * rounds / 300) is None  # still gaining 0.67 points per 50
