@@ -324,7 +324,7 @@ def check_step_payloads(
             step.payloads[name],
             current,
             codec,
-            policy.travels_raw(current.dtype.kind == "f", current.size),
+            policy.travels_raw(current.dtype.kind == "f", current.shape, codec, current.itemsize),
         )
         for name, current in arrays.items()
     }
@@ -355,7 +355,7 @@ def encode_step(
     payloads = {}
     for name, value in values.items():
         value = np.asarray(value)
-        if policy.travels_raw(value.dtype.kind == "f", value.size):
+        if policy.travels_raw(value.dtype.kind == "f", value.shape, codec, value.itemsize):
             payloads[name] = bytes(_RAW.encode(torch.from_numpy(np.array(value)), seed=0))
             continue
         diff = torch.from_numpy(np.asarray(differences[name], dtype=np.float32))

@@ -82,7 +82,7 @@ def check_codec_regime(codec_name: str, clients_per_round: int, *, regime_check:
 
 
 #: Codecs that send a few coordinates of each update (alone or inside a memory).
-SPARSE_CODECS = ("topk", "randk", "sparseq")
+SPARSE_CODECS = ("topk", "randk", "sparseq", "subsample")
 #: Inner strategies that aggregate coordinate by coordinate with a median or a trimmed
 #: mean: over sparse updates, where most clients send 0 for a coordinate, the result
 #: is 0 almost everywhere and the model does not move (measured: FedMedian with
@@ -90,9 +90,22 @@ SPARSE_CODECS = ("topk", "randk", "sparseq")
 COORDINATEWISE_ROBUST = ("fedmedian", "fedtrimmedavg")
 
 
+def codec_chain(codec: Mapping[str, Any]) -> list[str]:
+    """The names in a codec spec, outermost first: its name, then its inner codec's
+    (a name or a whole spec, fedcomp.codecs.memory.inner_fields), and so on."""
+    names: list[str] = []
+    node: Any = codec
+    while isinstance(node, Mapping):
+        names.append(str(node.get("name")))
+        node = node.get("inner")
+    if isinstance(node, str):
+        names.append(node)
+    return names
+
+
 def is_sparse(codec: Mapping[str, Any]) -> bool:
-    """Whether a codec spec sends sparse updates (its name or its inner codec's)."""
-    return codec.get("name") in SPARSE_CODECS or codec.get("inner") in SPARSE_CODECS
+    """Whether a codec spec sends sparse updates (its name or an inner codec's)."""
+    return any(name in SPARSE_CODECS for name in codec_chain(codec))
 
 
 def check_learnable(codec: Mapping[str, Any], strategy_name: str, *, regime_check: bool) -> None:
@@ -101,9 +114,8 @@ def check_learnable(codec: Mapping[str, Any], strategy_name: str, *, regime_chec
         fail(
             "strategy.name",
             strategy_name,
-            f"a coordinate-wise median or trimmed mean of sparse updates (codec "
-            f"{codec.get('name')}"
-            + (f" around {codec['inner']}" if codec.get("inner") else "")
+            "a coordinate-wise median or trimmed mean of sparse updates (codec "
+            + " around ".join(codec_chain(codec))
             + ") is zero almost everywhere, so the model does not move; use a dense "
             "codec (codec=uniform8, codec=eden1) or a mean-based strategy (fedavg), or "
             "set regime_check=false to run it anyway",

@@ -174,9 +174,11 @@ class TrainSettings:
 
 @dataclass
 class PolicySettings:
-    """Tensors with fewer elements than ``min_numel`` (and integer buffers) travel raw."""
+    """Integer buffers, tensors with fewer elements than ``min_numel``, and tensors the
+    codec would not carry in fewer bits than raw travel raw
+    (fedcomp.codecs.policy.TensorPolicy)."""
 
-    min_numel: int = 256
+    min_numel: int = 0
 
     def check(self) -> None:
         """Raise naming ``policy.min_numel`` when it is negative."""

@@ -51,7 +51,7 @@ from fedcomp.keys import (
     KEY_STABLE_ID,
     PROTOCOL_VERSION,
 )
-from fedcomp.rules import check_learnable
+from fedcomp.rules import check_learnable, codec_chain
 
 # --------------------------------------------------------------------- the pure rules
 
@@ -433,10 +433,20 @@ def test_a_run_that_does_not_learn_fails_and_flags_its_loss(caplog):
         ({"name": "topk", "fraction": 0.01}, "fedtrimmedavg"),
         ({"name": "randk", "fraction": 0.01}, "fedmedian"),
         ({"name": "dgc", "inner": "sparseq", "fraction": 0.01}, "fedmedian"),
+        ({"name": "subsample", "inner": "eden", "fraction": 0.1}, "fedmedian"),
+        (
+            {
+                "name": "residual",
+                "inner": {"name": "subsample", "inner": "uniform", "fraction": 0.1},
+            },
+            "fedtrimmedavg",
+        ),
     ],
 )
 def test_sparse_codecs_under_a_coordinatewise_median_are_refused(codec, strategy):
     with pytest.raises(ValueError, match=f"invalid setting strategy.name='{strategy}'.*regime"):
+        check_learnable(codec, strategy, regime_check=True)
+    with pytest.raises(ValueError, match=r"\(codec " + " around ".join(codec_chain(codec))):
         check_learnable(codec, strategy, regime_check=True)
     check_learnable(codec, strategy, regime_check=False)  # the override
     check_learnable(codec, "fedavg", regime_check=True)
@@ -578,3 +588,10 @@ def test_a_run_without_central_evaluation_that_does_not_follow_its_clients_fails
         UNIFORM, None, num_clients=4, hostile=(), rounds=3, client_mods=stall
     )
     assert all(r["step_norm"] > 0.1 * r["reference_norm"] for r in strategy.rounds)
+
+
+def test_the_codec_chain_follows_inner_names_and_whole_inner_specs() -> None:
+    assert codec_chain({"name": "topk", "fraction": 0.1}) == ["topk"]
+    assert codec_chain({"name": "ef", "inner": "topk"}) == ["ef", "topk"]
+    nested = {"name": "residual", "inner": {"name": "subsample", "inner": "uniform"}}
+    assert codec_chain(nested) == ["residual", "subsample", "uniform"]

@@ -103,10 +103,10 @@ def test_numel_at_the_limit_accepted_one_more_refused() -> None:
 
 def test_codec_ids_unknown_and_onebit_refused() -> None:
     top = max(parse_payload(bytes(make_codec(n).encode(_x(4), seed=1))).header.codec_id
-              for n in codec_names() if n not in ("rotate", "entropy"))  # fmt: skip
+              for n in codec_names() if n not in ("rotate", "entropy", "subsample"))  # fmt: skip
     assert top >= 15
     body = np.ones(4, "<f4").tobytes()
-    for unknown in (16, 200, 255):
+    for unknown in (17, 200, 255):
         _refused(_header(unknown, 0, (4,)) + body, f"unknown codec id {unknown}")
     _refused(_header(JOINT_ONEBIT_ID, 0, (4,)) + body, "onebit payload")
 
@@ -130,6 +130,7 @@ SPECS = [
     {"name": "eden", "bits": 2, "block": 256},
     {"name": "rotate", "inner": "qsgd", "levels": 4},
     {"name": "uniform", "bits": 2, "entropy": "zstd"},
+    {"name": "subsample", "inner": "eden", "fraction": 0.3, "bits": 1},
 ]
 
 

@@ -57,7 +57,9 @@ NO_FACTOR = {
     "eden": "no bound is claimed for the Hadamard rotation (measured instead)",
 }
 #: Registered codecs with a factor, tested in this file (the stages delegate).
-WITH_FACTOR = {"raw", "fp32", "uniform", "dither", "qsgd", "randk", "rotate", "entropy"}
+#: (subsample: tests/test_subsample.py)
+WITH_FACTOR = {"raw", "fp32", "uniform", "dither", "qsgd", "randk", "rotate", "entropy",
+               "subsample"}  # fmt: skip
 
 
 def test_every_registered_codec_is_classified() -> None:

@@ -42,6 +42,13 @@ SPECS = {
     "eden1": {"name": "eden", "bits": 1, "block": 256},
     "eden3mse": {"name": "eden", "bits": 3, "scale": "mse", "block": 512, "rotations": 2},
     "rotate_uniform2": {"name": "rotate", "inner": "uniform", "bits": 2, "block": 64},
+    "subsample_eden1": {
+        "name": "subsample",
+        "inner": "eden",
+        "fraction": 0.25,
+        "bits": 1,
+        "block": 256,
+    },
 }
 
 
@@ -99,7 +106,7 @@ def test_roundtrip_keeps_shape_and_dtype(key: str, kind: str) -> None:
     if (
         kind == "constant"
         and not rotated
-        and not key.startswith(("qsgd", "topk", "randk", "dither", "sparseq"))
+        and not key.startswith(("qsgd", "topk", "randk", "dither", "sparseq", "subsample"))
     ):
         # max|x|- and mean|x|-scaled codes put a constant block exactly on a level
         # (subtractive dither does not: its error is uniform on a step whatever x is).
@@ -191,18 +198,27 @@ def _layout_size(key: str, x: torch.Tensor) -> int:
             else spec["rank"] * (rows + cols)
         )
         return header + 12 + 4 * values
-    if name in ("eden", "rotate"):
-        # rotation blocks: full blocks of `block`, then the tail padded to a multiple of
-        # 256 and cut into powers of two (so the tail's blocks are its binary digits)
-        block = spec["block"] if name == "eden" else 1024
-        full, rest = divmod(n, block)
-        tail = math.ceil(rest / 256) * 256
-        padded, blocks = full * block + tail, full + bin(tail).count("1")
-        if name == "eden":
-            return header + 8 + 4 * blocks + math.ceil(padded * spec["bits"] / 8)
+    if name == "eden":
+        padded, blocks = _rotation_blocks(n, spec["block"])
+        return header + 8 + 4 * blocks + math.ceil(padded * spec["bits"] / 8)
+    if name == "rotate":
+        padded, _ = _rotation_blocks(n, 1024)
         inner = 16 + 4 + 6 + 4 * math.ceil(padded / spec["block"]) + padded * spec["bits"] // 8
         return header + 8 + inner
+    if name == "subsample":  # k, then the inner codec's payload for the k kept values
+        k = max(1, math.ceil(spec["fraction"] * n))
+        inner = {k_: v for k_, v in spec.items() if k_ not in ("name", "inner", "fraction")}
+        key_inner = next(key for key, s in SPECS.items() if s == {"name": spec["inner"], **inner})
+        return header + 4 + _layout_size(key_inner, torch.zeros(k))
     raise AssertionError(name)
+
+
+def _rotation_blocks(n: int, block: int) -> tuple[int, int]:
+    """The padded length and block count of a rotation: full blocks of ``block``, then
+    the tail padded to a multiple of 256 and cut into powers of two (its binary digits)."""
+    full, rest = divmod(n, block)
+    tail = math.ceil(rest / 256) * 256
+    return full * block + tail, full + bin(tail).count("1")
 
 
 # topk and sparseq: the index coding depends on where the kept values are

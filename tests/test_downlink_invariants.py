@@ -37,7 +37,7 @@ def _model(seed: int) -> dict[str, np.ndarray]:
     return {
         "count": np.array([seed], dtype=np.int64),  # an integer buffer first
         "w": rng.normal(size=(40, 30)).astype(np.float32),
-        "b": rng.normal(size=30).astype(np.float32),  # below min_numel: raw
+        "b": rng.normal(size=6).astype(np.float32),  # too small for any codec to pay: raw
     }
 
 
@@ -189,7 +189,7 @@ def test_each_payload_refusal_names_the_tensor_and_what_differs() -> None:
         check_step_payload("w", w, x0["w"].reshape(30, 40), codec, raw=False)
     raw_b = step.payloads["b"]  # the float32 tensor b sent raw, checked as an int64 one
     with pytest.raises(ReplicaError, match=r"^c: payload dtype torch.float32, the server sends "):
-        check_step_payload("c", raw_b, np.zeros(30, np.int64), codec, raw=True)
+        check_step_payload("c", raw_b, np.zeros(6, np.int64), codec, raw=True)
 
 
 def test_a_step_with_other_tensors_or_bad_scales_is_refused_naming_them() -> None:

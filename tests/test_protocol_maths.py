@@ -169,13 +169,15 @@ def test_residual_reconstruction_mean_and_mirror_update_follow_their_definitions
     settings = _settings(RESIDUAL, RES_CLIENTS)
     strategy, seen = _run(settings, RES_ROUNDS, "per_client")
     assert [r["replied"] for r in strategy.rounds] == [RES_CLIENTS] * RES_ROUNDS
+
     # omega from the definition of stochastic uniform rounding (block B, b bits): a
     # coordinate on a grid of step 2 s / (2^b - 1), s = max |x| over its block, has
     # variance at most step^2 / 4, so a block's noise is at most
-    # B s^2 / (2^b - 1)^2 <= B / (2^b - 1)^2 ||x_block||^2. Every covered tensor here
-    # has at least one full block.
-    omega = RES_BLOCK / (2**RES_BITS - 1) ** 2
-    alpha = 1.0 / (1.0 + omega)
+    # B s^2 / (2^b - 1)^2 <= B / (2^b - 1)^2 ||x_block||^2, B the block's size: a
+    # tensor of n < RES_BLOCK elements is one block of n.
+    def alpha_of(numel: int) -> float:
+        return 1.0 / (1.0 + min(RES_BLOCK, numel) / (2**RES_BITS - 1) ** 2)
+
     uniform_id = make_codec("uniform", bits=RES_BITS, block=RES_BLOCK).codec_id
     covered_seen: set[str] = set()
     for t in range(RES_ROUNDS):
@@ -206,6 +208,7 @@ def test_residual_reconstruction_mean_and_mirror_update_follow_their_definitions
                 ghats[sid][name] = h + r_hat
                 # h + alpha r_hat: alpha rounded to float32, the product and the sum
                 # each rounded once: at most 3u (|h| + alpha |r_hat|) from the real value.
+                alpha = alpha_of(g.size)
                 exact = h.astype(np.float64) + alpha * r_hat.astype(np.float64)
                 bound = 3 * U32 * (np.abs(h) + alpha * np.abs(r_hat)) + np.finfo(np.float32).tiny
                 got = after[sid][1][name]
@@ -238,8 +241,10 @@ def test_residual_reconstruction_mean_and_mirror_update_follow_their_definitions
             bound = (RES_CLIENTS + 3) * U32 * scale + np.finfo(np.float32).tiny
             err = np.abs(seen.results[t][name].astype(np.float64) - reference)
             assert (err <= bound).all(), (t, name, float(np.max(err / bound)))
-    # Not vacuous: two tensors under the control variate, clients of unequal weight.
-    assert len(covered_seen) == 2
+    # Not vacuous: three tensors under the control variate (one of them smaller than a
+    # block: 1.bias), clients of unequal weight.
+    assert covered_seen == {"1.weight", "1.bias", "3.weight"}
+    assert seen.globals[0]["1.bias"].size < RES_BLOCK
     assert len(set(weights.values())) > 1
 
 
@@ -429,7 +434,7 @@ DOWNLINK_ROUNDS = 10
 def _broadcast_model(rng: np.random.Generator) -> dict[str, np.ndarray]:
     return {
         "w": rng.normal(size=(40, 30)).astype(np.float32),  # a coded difference
-        "b": rng.normal(size=30).astype(np.float32),  # below min_numel: raw
+        "b": rng.normal(size=6).astype(np.float32),  # too small for any codec to pay: raw
         "count": rng.integers(0, 100, size=1),  # an integer buffer: raw
     }
 

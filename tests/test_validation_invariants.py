@@ -203,15 +203,18 @@ def test_a_tie_goes_to_the_smallest_sorted_tuple_or_to_none_when_strict() -> Non
 
 def test_the_allowed_codecs_follow_the_policy_the_server_sent() -> None:
     codec = make_codec("uniform", bits=4)
-    policy = TensorPolicy(min_numel=10)
-    big, small = np.zeros(10, np.float32), np.zeros(9, np.float32)
-    ints = np.zeros(100, np.int64)
+    policy = TensorPolicy(min_numel=1000)
+    big, small = np.zeros(1000, np.float32), np.zeros(999, np.float32)
+    ints = np.zeros(1000, np.int64)
     names = lambda allowed: [c.name for c in allowed]  # noqa: E731
     assert names(allowed_codecs(big, codec, None)) == ["raw", "uniform"]
     assert names(allowed_codecs(big, None, policy)) == ["raw"]
     assert names(allowed_codecs(big, codec, policy)) == ["uniform"]  # numel == min_numel
     assert names(allowed_codecs(small, codec, policy)) == ["raw"]
     assert names(allowed_codecs(ints, codec, policy)) == ["raw"]
+    # no size threshold: 10 elements are 40 B raw, which 4-bit codes do not beat
+    assert names(allowed_codecs(np.zeros(10, np.float32), codec, TensorPolicy())) == ["raw"]
+    assert names(allowed_codecs(small, codec, TensorPolicy())) == ["uniform"]
 
 
 def test_compressed_names_are_those_not_sent_raw() -> None:

@@ -26,6 +26,7 @@ from fedcomp.codecs import quantizers as _quantizers  # noqa: F401  (uniform, qs
 from fedcomp.codecs import rotated as _rotated  # noqa: F401  (rotate)
 from fedcomp.codecs import sparse as _sparse  # noqa: F401  (topk, randk)
 from fedcomp.codecs import sparse_quantized as _sparseq  # noqa: F401  (sparseq)
+from fedcomp.codecs import subsample as _subsample  # noqa: F401  (subsample)
 from fedcomp.codecs.base import (
     Codec,
     codec_class,
@@ -40,6 +41,7 @@ from fedcomp.codecs.memory import ErrorFeedback, Memory
 from fedcomp.codecs.policy import TensorPolicy
 from fedcomp.codecs.residual import ResidualMemory
 from fedcomp.codecs.rotated import RotatedCodec
+from fedcomp.codecs.subsample import SubsampledCodec
 from fedcomp.codecs.wire import Payload, PayloadError, PayloadHeader, parse_payload
 from fedcomp.rules import JOINT_CODES as _JOINT_CODES
 
@@ -79,6 +81,25 @@ def _make_rotated(params: dict[str, Any]) -> RotatedCodec:
     return RotatedCodec(make_codec(inner, **params), **rotation)
 
 
+def _make_subsampled(params: dict[str, Any]) -> SubsampledCodec:
+    """``subsample`` around a stateless codec: its fraction, the rest go to the inner one."""
+    inner = params.pop("inner", None)
+    if "fraction" not in params:
+        raise ValueError("subsample needs fraction=<share of the coordinates kept, in (0, 1]>")
+    fraction = params.pop("fraction")
+    if (
+        not isinstance(inner, str)
+        or inner in MEMORIES
+        or inner in JOINT_CODES
+        or inner in (SubsampledCodec.name,)
+    ):
+        raise ValueError(
+            f"subsample needs inner=<stateless codec name> (not a memory, a joint code or "
+            f"subsample), got inner={inner!r}"
+        )
+    return SubsampledCodec(make_codec(inner, **params), fraction=fraction)
+
+
 def make_codec(name: str, **params: Any) -> Codec | Memory | Any:
     """Build a codec (or a memory around one) by name, validating its parameters.
 
@@ -108,6 +129,8 @@ def make_codec(name: str, **params: Any) -> Codec | Memory | Any:
         return EntropyCodec(make_codec(name, **params), method=method, level=level)
     if name == RotatedCodec.name:
         return _make_rotated(params)
+    if name == SubsampledCodec.name:
+        return _make_subsampled(params)
     if name in MEMORIES or name == PowerSGDMemory.name:
         return _make_memory(name, params)
     return _make_stateless(name, params)
@@ -120,17 +143,36 @@ def _make_memory(name: str, params: dict[str, Any]) -> Memory:
         _check_params(name, params, {"rank"})
         return PowerSGDMemory(**params)
     inner = params.pop("inner", None)
-    if not isinstance(inner, str) or inner in MEMORIES:
-        raise ValueError(f"{name} needs inner=<codec name>, got inner={inner!r}")
+    own = {"dgc": ("momentum", "clip", "warmup_rounds", "warmup_start"),
+           "residual": ("alpha", "bootstrap")}.get(name, ())  # fmt: skip
+    options = {k: params.pop(k) for k in own if k in params}
+    codec = _inner_codec(name, inner, params)
     if name == "ef":
-        return ErrorFeedback(make_codec(inner, **params))
+        return ErrorFeedback(codec)
     if name == "dgc":
-        keys = ("momentum", "clip", "warmup_rounds", "warmup_start")
-        options = {k: params.pop(k) for k in keys if k in params}
-        return DGCMemory(make_codec(inner, **params), **options)
-    alpha = params.pop("alpha", None)
-    bootstrap = params.pop("bootstrap", "zero")
-    return ResidualMemory(make_codec(inner, **params), alpha=alpha, bootstrap=bootstrap)
+        return DGCMemory(codec, **options)
+    return ResidualMemory(codec, **options)
+
+
+def _inner_codec(memory: str, inner: Any, params: dict[str, Any]) -> Codec:
+    """A memory's inner codec: a name with the memory's other keys as its parameters,
+    or a whole spec (a mapping with a name) when the inner codec is itself a wrapper
+    with an ``inner`` of its own: ``{"name": "residual", "inner": {"name": "subsample",
+    "inner": "uniform", "fraction": 0.25, "bits": 2}}``."""
+    if isinstance(inner, Mapping):
+        if params:
+            raise ValueError(
+                f"{memory}: with a whole inner spec, the inner codec's parameters go in "
+                f"it, not beside it: {', '.join(sorted(params))}"
+            )
+        if inner.get("name") in MEMORIES or inner.get("name") == PowerSGDMemory.name:
+            raise ValueError(f"{memory}: inner {inner.get('name')!r} is a memory, not a codec")
+        return make_codec_from_spec(inner)
+    if not isinstance(inner, str) or inner in MEMORIES:
+        raise ValueError(
+            f"{memory} needs inner=<codec name> or inner=<codec spec>, got inner={inner!r}"
+        )
+    return make_codec(inner, **params)
 
 
 def _make_stateless(name: str, params: dict[str, Any]) -> Codec:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextvars
+import math
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
@@ -99,6 +100,14 @@ class Codec(ABC):
     def nominal_bits(self, numel: int) -> float:
         """Bits per coordinate this codec should produce (scales included, header not)."""
         raise NotImplementedError
+
+    def nominal_bytes(self, shape: tuple[int, ...]) -> float:
+        """Body bytes this codec should produce for a tensor of ``shape`` (its scales
+        and padding included, the header and the few bytes of parameters not): what
+        the tensor policy weighs against the raw bytes. Codecs whose size depends on
+        more than the element count (low rank) override it."""
+        numel = math.prod(shape)
+        return self.nominal_bits(numel) * numel / 8
 
 
 _BY_ID: dict[int, type[Codec]] = {}

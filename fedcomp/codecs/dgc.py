@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fedcomp.codecs.base import Codec
-from fedcomp.codecs.memory import TensorStateMemory, TensorStep
+from fedcomp.codecs.memory import TensorStateMemory, TensorStep, inner_fields
 
 if TYPE_CHECKING:
     pass
@@ -87,15 +87,13 @@ class DGCMemory(TensorStateMemory):
         self.warmup_rounds, self.warmup_start = warmup_rounds, float(warmup_start)
 
     def spec(self) -> dict[str, Any]:
-        inner = self.inner.spec()
         return {
             "name": self.name,
-            "inner": inner.pop("name"),
             "momentum": self.momentum,
             "clip": self.clip,
             "warmup_rounds": self.warmup_rounds,
             "warmup_start": self.warmup_start,
-            **inner,
+            **inner_fields(self.inner),
         }
 
     def fraction_for_round(self, server_round: int) -> float | None:

@@ -120,6 +120,14 @@ class LowRankCodec(Codec):
             return 32.0
         return 32.0 * self.rank * 2 * side / max(numel, 1)
 
+    def nominal_bytes(self, shape: tuple[int, ...]) -> float:
+        """The factors' float32 bytes for the matrix ``shape`` is seen as (first
+        dimension x the rest), or the dense float32 bytes when low rank is no smaller."""
+        rows, cols = matrix_shape(tuple(shape))
+        if uses_low_rank(rows, cols, self.rank):
+            return 4.0 * self.rank * (rows + cols)
+        return 4.0 * rows * cols
+
     def encode_with(self, x: torch.Tensor, q: torch.Tensor) -> tuple[Payload, torch.Tensor]:
         """Encode with a given Q (the memory's warm start); return the payload and Q'."""
         if not x.is_floating_point():

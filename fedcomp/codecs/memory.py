@@ -39,6 +39,16 @@ class Memory:
         return self.inner
 
 
+def inner_fields(inner: Codec) -> dict[str, Any]:
+    """A memory's spec fields for its inner codec: ``inner=<name>`` beside the inner
+    codec's parameters, or ``inner=<its whole spec>`` when it is a wrapper with an
+    ``inner`` of its own (subsample, rotate), whose keys would otherwise collide."""
+    spec = inner.spec()
+    if "inner" in spec:
+        return {"inner": spec}
+    return {"inner": spec.pop("name"), **spec}
+
+
 class TensorStep(NamedTuple):
     """One tensor through a :class:`TensorStateMemory`."""
 
@@ -119,8 +129,7 @@ class ErrorFeedback(Memory):
         self.inner = inner
 
     def spec(self) -> dict[str, Any]:
-        inner = self.inner.spec()
-        return {"name": self.name, "inner": inner.pop("name"), **inner}
+        return {"name": self.name, **inner_fields(self.inner)}
 
     def encode(
         self, x: torch.Tensor, residual: torch.Tensor | None, *, seed: int

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from fedcomp.codecs.base import Codec
-from fedcomp.codecs.memory import Memory
+from fedcomp.codecs.memory import Memory, inner_fields
 from fedcomp.codecs.wire import Payload
 
 #: How a reply relates to the control variate (the header's ``fedcomp.resync`` field).
@@ -93,8 +93,7 @@ class ResidualMemory(Memory):
         self._warned: set[int] = set()
 
     def spec(self) -> dict[str, Any]:
-        inner = self.inner.spec()
-        spec = {"name": self.name, "inner": inner.pop("name"), **inner}
+        spec = {"name": self.name, **inner_fields(self.inner)}
         if self.alpha is not None:
             spec["alpha"] = self.alpha
         if self.bootstrap != "zero":

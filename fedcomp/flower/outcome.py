@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fedcomp.failures import RunFailed
-from fedcomp.rules import COORDINATEWISE_ROBUST, is_sparse
+from fedcomp.rules import COORDINATEWISE_ROBUST, codec_chain, is_sparse
 
 #: A central loss this many times the run's reference (the initial model's loss, else
 #: the first round's) has grown by orders of magnitude: the model is diverging.
@@ -166,7 +166,7 @@ def likely_causes(codec_json: str, strategy_name: str, rounds: list[dict[str, An
             f"{strategy_name}'s coordinate-wise median or trimmed mean of sparse updates "
             "is zero almost everywhere: use a dense codec or a mean-based strategy."
         )
-    if codec.get("name") == "randk" or codec.get("inner") == "randk":
+    if "randk" in codec_chain(codec):
         return (
             "random-k scales each kept coordinate by numel / k: unbiased, but its variance "
             "makes the steps far too large; use ef_topk or sparseq instead."

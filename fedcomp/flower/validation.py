@@ -190,7 +190,10 @@ def allowed_codecs(
     ``codec``. ``codec`` None: only raw is expected (the joint path's other tensors).
     """
     floating = reference.dtype.kind == "f"
-    if codec is None or (policy is not None and policy.travels_raw(floating, reference.size)):
+    raw = policy is not None and policy.travels_raw(
+        floating, reference.shape, codec, reference.dtype.itemsize
+    )
+    if codec is None or raw:
         return (_RAW,)
     return (codec,) if policy is not None else (_RAW, codec)
 

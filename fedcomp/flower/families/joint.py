@@ -240,7 +240,7 @@ def encode_joint(
             tau=tau,
         )
 
-    payloads = encode_all(code, policy, deltas, seeds, compress)
+    payloads = encode_all(code, policy, deltas, seeds, compress, names=plan.taus)
     total = counts["total"]
     stats = {METRIC_OUT_OF_RANGE: counts["beyond"] / total if total else 0.0}
     return Encoded(payloads, inputs={}, stats=stats)

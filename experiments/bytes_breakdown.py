@@ -1,0 +1,165 @@
+"""Where every byte of one train reply goes, measured on a real reply (issue 42).
+
+    python -m experiments.bytes_breakdown [--preset leaderboard_fmnist] [--recipe eden1]
+                                          [OVERRIDE ...] [--out FILE.md]
+
+One client of the preset's setting trains one round through the real ClientApp (mods
+included) in this process; its compressed reply is taken apart: Flower's envelope (the
+Message, RecordDict and ConfigRecord objects and their keys), fedcomp's header fields,
+the metrics, the payload bundle's table, and per tensor the payload header, the codec's
+parameters, its scales, its codes and the padding they carry (the codec's bits on the
+coordinates it adds to reach its block), or the raw values of a tensor the policy sends
+raw. Every figure is a measured length; the parts add up to the reply's wire bytes
+(the deflated objects, what a SuperNode pushes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import struct
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from flwr.app import ConfigRecord, Message, MessageType
+
+from fedcomp.bundle import unpack_bundle
+from fedcomp.codecs import codec_class_by_id, parse_payload
+from fedcomp.codecs.wire import HEADER_FIXED_BYTES
+from fedcomp.flower.accounting import wire_and_objects
+from fedcomp.flower.reply_format import METRIC_PREFIX
+from fedcomp.keys import KEY_PAYLOADS, RECORD_HEADER
+
+
+def config_entry_bytes(key: str, value: Any) -> int:
+    """What one ConfigRecord entry adds to the record's deflated bytes."""
+    empty = wire_and_objects(ConfigRecord({}))[0]
+    return wire_and_objects(ConfigRecord({key: value}))[0] - empty
+
+
+def tensor_parts(payload: bytes) -> dict[str, int]:
+    """One tensor's payload, taken apart: header, then the codec's own parts."""
+    parsed = parse_payload(payload)
+    header = HEADER_FIXED_BYTES + 4 * len(parsed.header.shape)
+    body = len(payload) - header
+    codec = codec_class_by_id(parsed.header.codec_id)
+    parts = {"payload header": header}
+    if codec is not None and codec.name == "eden":
+        bits, _, _, _, block = struct.unpack_from("<BBBBI", parsed.body, 0)
+        numel = parsed.header.numel
+        padded = _eden_padded(numel, block)
+        codes = math.ceil(padded * bits / 8)
+        padding = (padded - numel) * bits // 8
+        parts.update(
+            {
+                "codec parameters": 8,
+                "scales": body - 8 - codes,
+                "codes": codes - padding,
+                "padding (codes of added coordinates)": padding,
+            }
+        )
+    elif codec is not None and codec.name == "raw":
+        parts["raw values"] = body
+    else:
+        parts[f"{codec.name if codec else '?'} body"] = body
+    return parts
+
+
+def _eden_padded(numel: int, block: int) -> int:
+    """EDEN's padded length: full blocks, the tail rounded up to a power of two >= 256
+    (fedcomp.codecs.rotation.padded_length)."""
+    from fedcomp.codecs.rotation import padded_length
+
+    return padded_length(numel, block)
+
+
+def breakdown(reply: Message) -> list[tuple[str, str, int]]:
+    """(group, item, bytes) rows that add up to the reply's wire bytes."""
+    wire, _ = wire_and_objects(reply)
+    header = reply.content.config_records[RECORD_HEADER]
+    rows: list[tuple[str, str, int]] = []
+    entries = 0
+    for key, value in header.items():
+        if key == KEY_PAYLOADS:
+            continue
+        size = config_entry_bytes(key, value)
+        group = "metrics" if key.startswith(METRIC_PREFIX) else "fedcomp header fields"
+        rows.append((group, key.removeprefix(METRIC_PREFIX), size))
+        entries += size
+    blob = header[KEY_PAYLOADS]
+    bundle_entry = config_entry_bytes(KEY_PAYLOADS, blob)
+    payloads = unpack_bundle(blob, max_entries=1 << 16)
+    table = len(blob) - sum(len(p) for p in payloads.values())
+    rows.append(("payload bundle", "bundle table (magic, count, names, lengths)", table))
+    rows.append(
+        ("payload bundle", "its ConfigRecord entry (key, length)", bundle_entry - len(blob))
+    )
+    for name, payload in payloads.items():
+        for part, size in tensor_parts(bytes(payload)).items():
+            rows.append(
+                (f"tensor {name} ({parse_payload(bytes(payload)).header.numel})", part, size)
+            )
+    envelope = wire - entries - bundle_entry
+    rows.insert(0, ("Flower envelope", "Message, RecordDict, ConfigRecord objects", envelope))
+    return rows
+
+
+def capture_reply(preset: str, overrides: Sequence[str]) -> Message:
+    """One client's compressed train reply of round 1 of the preset's first run."""
+    from clients.client_app import make_client_app
+    from clients.paths import paths_of
+    from experiments.inprocess import InProcessGrid, set_task_identity
+    from experiments.presets import preset_settings
+    from strategies.server_app import run_server
+
+    settings = preset_settings(preset, "seed=0", *overrides)[0]
+    settings.num_rounds, settings.progress, settings.learning_check = 1, "off", False
+    set_task_identity()
+    grid = InProcessGrid(make_client_app(paths=paths_of(settings)), settings.num_clients)
+    run_server(grid, settings)
+    return next(r for r in grid.replies if _is_train(r))
+
+
+def _is_train(msg: Message) -> bool:
+    return (
+        not msg.has_error()
+        and msg.metadata.message_type == MessageType.TRAIN
+        and RECORD_HEADER in msg.content.config_records
+        and KEY_PAYLOADS in msg.content.config_records[RECORD_HEADER]
+    )
+
+
+def table(rows: list[tuple[str, str, int]], total: int) -> str:
+    lines = ["| part | item | bytes | share |", "|---|---|---|---|"]
+    groups: dict[str, int] = {}
+    for group, item, size in rows:
+        groups[group] = groups.get(group, 0) + size
+        lines.append(f"| {group} | {item} | {size:,} | {size / total:.1%} |")
+    lines.append(f"| **total** | wire bytes of the reply | **{total:,}** | 100% |")
+    summary = ["", "| part | bytes | share |", "|---|---|---|"]
+    summary += [f"| {g} | {b:,} | {b / total:.1%} |" for g, b in groups.items()]
+    return "\n".join(lines + summary)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("overrides", nargs="*")
+    parser.add_argument("--preset", default="leaderboard_fmnist")
+    parser.add_argument("--recipe", default="eden1")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    reply = capture_reply(args.preset, [f"recipe={args.recipe}", *args.overrides])
+    rows = breakdown(reply)
+    total = wire_and_objects(reply)[0]
+    assert sum(r[2] for r in rows) == total
+    text = table(rows, total)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
