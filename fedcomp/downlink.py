@@ -340,6 +340,19 @@ def contraction_scale(difference: np.ndarray, decoded: np.ndarray) -> float:
     return max(float(d @ q) / qq, 0.0) if qq > 0 else 1.0
 
 
+def wire_scale(value: float) -> float:
+    """A step's scale as both sides apply it: rounded to float32, so the instruction can
+    carry its shortest float32 form (:func:`scale_text`) and the client, rounding what
+    it reads the same way, moves its replica bit for bit as the server did."""
+    return float(np.float32(value))
+
+
+def scale_text(value: float) -> float:
+    """The shortest number that rounds to the float32 ``value`` (about 9 digits in JSON,
+    not 17)."""
+    return float(np.format_float_positional(np.float32(value), unique=True, trim="0"))
+
+
 def encode_step(
     values: Mapping[str, np.ndarray],
     differences: Mapping[str, np.ndarray],
@@ -423,7 +436,7 @@ class BroadcastServer:
         for name, current in self.x_hat.items():  # each payload decoded once
             value, raw = decode_payload_for(name, payloads[name], current)
             if not raw and self.spec.memory == "error_feedback":
-                scales[name] = contraction_scale(differences[name], value)
+                scales[name] = wire_scale(contraction_scale(differences[name], value))
             x_hat[name] = move(current, value, raw, scales.get(name, 1.0))
         step = Step(self.version, self.version + 1, payloads, checksum(x_hat), scales)
         self.x_hat, self.version, self.checksum = x_hat, step.target, step.checksum

@@ -6,9 +6,11 @@ instead, as Flower's DP mods and wrappers do.
 """
 
 #: Version of the fedcomp message protocol (header fields and record layout).
+#: 3: fewer fixed bytes (the downlink codec travels with the run settings, the step
+#: list has no per-step checksum and float32 scales, no codec-bytes metric);
 #: 2: compact messages, every payload of a message in one bundle (fedcomp.bundle)
 #: inside its header or config record; 1: one Array per payload.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 # --- Instruction (server -> client) config keys -----------------------------------
 #: JSON-encoded codec spec, e.g. ``{"name": "fp32"}``. Its presence tells the mod
@@ -51,7 +53,7 @@ KEY_DOWNLINK_ARRAYS = "fedcomp.downlink-arrays"
 #: payload this codec (or the raw value, for tensors the policy sends raw) does not build.
 KEY_DOWNLINK_CODEC = "fedcomp.downlink-codec"
 #: The downlink steps' payloads, one bundle (fedcomp.bundle) of "<target>/<tensor>"
-#: entries; the steps themselves as JSON [[source, target, checksum, scales], ...] in
+#: entries; the steps themselves as JSON [[source, target, scales], ...] in
 #: KEY_DOWNLINK_STEPS.
 KEY_DOWNLINK_PAYLOADS = "fedcomp.downlink-payloads"
 KEY_DOWNLINK_STEPS = "fedcomp.downlink-steps"
@@ -91,7 +93,6 @@ KEY_CV_CHECKSUM = "fedcomp.cv-checksum"
 RECORD_METRICS = "metrics"
 KEY_NUM_EXAMPLES = "num-examples"
 METRIC_ENCODE_S = "fedcomp.encode-s"
-METRIC_CODEC_BYTES = "fedcomp.codec-bytes"
 #: Residual memory statistics measured by the client (sums over tensors):
 #: ||delta - h||^2, ||delta||^2, the compression noise ||r_hat - r||^2, omega ||r||^2,
 #: and the bytes its control-variate state takes.

@@ -17,7 +17,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from fedcomp.keys import (
-    METRIC_CODEC_BYTES,
     METRIC_CV_BOUND,
     METRIC_CV_DELTA,
     METRIC_CV_NOISE,
@@ -68,7 +67,6 @@ _NORM2 = Bound(0.0, MAX_REPORTED_VALUE)
 #: Every fedcomp metric a reply may carry, with its bounds.
 OWN_METRICS: dict[str, Bound] = {
     METRIC_ENCODE_S: Bound(0.0, MAX_REPORTED_SECONDS),
-    METRIC_CODEC_BYTES: Bound(0.0, MAX_REPORTED_BYTES, integer=True),
     METRIC_REL_ERROR: _NORM2,
     METRIC_STATE_BYTES: Bound(0.0, MAX_REPORTED_BYTES, integer=True),
     METRIC_OUT_OF_RANGE: Bound(0.0, 1.0),

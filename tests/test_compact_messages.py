@@ -30,6 +30,7 @@ from fedcomp.flower.validation import ReplyError, check_reply
 from fedcomp.keys import (
     DOWNLINK_STEPS,
     KEY_CODEC,
+    KEY_DOWNLINK_CODEC,
     KEY_DOWNLINK_PAYLOADS,
     KEY_NUM_EXAMPLES,
     KEY_PROTOCOL,
@@ -108,7 +109,9 @@ def test_a_model_free_downlink_instruction_is_three_objects(tensors) -> None:
     for version in (1, 2):
         server.advance(_model(tensors, version))
     content = RecordDict({"arrays": ArrayRecord(), "config": ConfigRecord({"lr": 0.1})})
-    assert ReplicaSender(server).attach(content, SID, model_free=True) == DOWNLINK_STEPS
+    sender = ReplicaSender(server)
+    assert sender.attach(content, SID, model_free=True) == DOWNLINK_STEPS
+    content["config"][KEY_DOWNLINK_CODEC] = sender.codec_json  # as the mod restores it
     msg = Message(content, dst_node_id=1, message_type=MessageType.TRAIN)
     assert _objects(msg) == 3
     new = rebuild_model(msg, replica)

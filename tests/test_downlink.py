@@ -33,7 +33,9 @@ from fedcomp.flower.strategy import CompressedStrategy
 from fedcomp.keys import (
     DOWNLINK_FULL,
     DOWNLINK_STEPS,
+    KEY_CODEC,
     KEY_DOWNLINK,
+    KEY_DOWNLINK_CODEC,
     KEY_DOWNLINK_PAYLOADS,
     KEY_DOWNLINK_STEPS,
     KEY_EXPECTED_ID,
@@ -76,7 +78,8 @@ def test_error_feedback_step_is_the_codec_of_what_x_hat_lacks() -> None:
     scale = float(d.astype(np.float64).ravel() @ q.ravel()) / float(
         q.astype(np.float64).ravel() @ q.ravel()
     )
-    assert step.scales["w"] == pytest.approx(scale, rel=1e-12)
+    # ... rounded to float32, the form the instruction carries and both sides apply
+    assert step.scales["w"] == float(np.float32(scale))
     assert np.array_equal(server.x_hat["w"], x0["w"] + np.float32(step.scales["w"]) * q)
     # ... raw tensors became the new values exactly, in their dtypes ...
     assert np.array_equal(server.x_hat["b"], x1["b"])
@@ -345,6 +348,12 @@ def test_replicas_stay_bit_identical_through_faults_and_a_resume(tmp_path) -> No
     assert len(errors) == 1 and "no replica" in errors[0]
     for r in rounds[1:]:
         assert r["total_wire_bytes"] < r["fp32_total_wire_bytes"]
+    # The downlink codec's spec travels with the run settings, once per client (again
+    # only after the wipe and in the resumed run's first contact), not every round.
+    configs = [m.content["config"] for m in _rounds(grid.sent) if "config" in m.content]
+    assert all((KEY_DOWNLINK_CODEC in c) == (KEY_CODEC in c) for c in configs)
+    carrying = sum(KEY_DOWNLINK_CODEC in c for c in configs)
+    assert N <= carrying <= 2 * N + 1 < len(configs)
 
 
 def test_a_corrupted_step_is_never_trained_on_and_the_client_is_resynced() -> None:

@@ -5,6 +5,7 @@ here from the definitions (docs/downlink.md)."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import numpy as np
@@ -285,3 +286,33 @@ def test_a_replica_ahead_of_the_server_is_refused_naming_both_versions() -> None
     # Steps it has applied already, ending at version 2: nothing moves it back.
     with pytest.raises(ReplicaError, match=r"^replica at version 3, the server is at 2$"):
         ahead.take_steps(steps[:2], 2, steps[1].checksum)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_replica_rebuilt_from_the_instruction_text_is_x_hat_bit_for_bit(dtype) -> None:
+    """The scales travel as text (the shortest form of their float32 value): what the
+    client reads back, applied in the model's own dtype, moves its replica exactly as
+    the server moved x_hat, over several lagging steps, float64 models included."""
+    from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+
+    from fedcomp.flower.replica import ReplicaSender, rebuild_model
+    from fedcomp.keys import KEY_DOWNLINK_CODEC, KEY_DOWNLINK_STEPS
+
+    rng = np.random.default_rng(3)
+    model = {"w": rng.normal(size=(40, 30)).astype(dtype), "b": rng.normal(size=300).astype(dtype)}
+    server = _server()
+    server.start(model)
+    client = Replica().take_full(server.x_hat, 0, server.checksum)
+    server.confirmed[5] = 0  # client 5 holds version 0
+    for t in range(1, 4):
+        server.advance({k: v + dtype(0.1 * t) * rng.normal(size=v.shape) for k, v in model.items()})
+    sender = ReplicaSender(server)
+    content = RecordDict({"arrays": ArrayRecord(), "config": ConfigRecord({})})
+    assert sender.attach(content, 5, model_free=True) == "steps"
+    content["config"][KEY_DOWNLINK_CODEC] = sender.codec_json
+    text = content["config"][KEY_DOWNLINK_STEPS]
+    assert len(server.history) == 3 and all(s.scales for s in server.history)
+    assert all(len(str(v)) <= 12 for s in json.loads(text) for v in s[2].values())
+    new = rebuild_model(Message(content, dst_node_id=1, message_type=MessageType.TRAIN), client)
+    assert new.version == 3 and _same_arrays(new.arrays, server.x_hat)
+    assert all(new.arrays[k].dtype == dtype for k in model)

@@ -424,7 +424,9 @@ _LAGGING = _lagging_client()
 def _downlink_instruction():
     """A fresh copy of the server's own instruction to the lagging client (3 steps)."""
     content = RecordDict({"arrays": ArrayRecord(), "config": ConfigRecord({})})
-    ReplicaSender(_LAGGING[0]).attach(content, CLIENT, model_free=True)
+    sender = ReplicaSender(_LAGGING[0])
+    sender.attach(content, CLIENT, model_free=True)
+    content["config"][KEY_DOWNLINK_CODEC] = sender.codec_json  # as the mod restores it
     return Message(content, dst_node_id=1, message_type=MessageType.TRAIN)
 
 

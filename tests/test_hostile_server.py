@@ -102,7 +102,9 @@ def _instruction(server: BroadcastServer, steps: list[Step] | None = None) -> Me
     content = RecordDict({"arrays": ArrayRecord(), "config": ConfigRecord({"lr": 0.1})})
     if steps is not None:
         server.steps_for = lambda client: steps  # type: ignore[method-assign]
-    assert ReplicaSender(server).attach(content, CLIENT, model_free=True) == DOWNLINK_STEPS
+    sender = ReplicaSender(server)
+    assert sender.attach(content, CLIENT, model_free=True) == DOWNLINK_STEPS
+    content["config"][KEY_DOWNLINK_CODEC] = sender.codec_json  # as the mod restores it
     return Message(content, dst_node_id=1, message_type=MessageType.TRAIN)
 
 
@@ -181,7 +183,7 @@ def _tiny_steps(server: BroadcastServer, count: int) -> tuple[str, bytes]:
     """``count`` steps of a few bytes per tensor (the raw ``count`` tensor's payload
     for every tensor): the finding's 0.38 MB of 4,000 steps, as one bundle."""
     tiny = server.history[0].payloads["count"]
-    steps = json.dumps([[i, i + 1, "0" * 16, {}] for i in range(count)])
+    steps = json.dumps([[i, i + 1, {}] for i in range(count)])
     names = list(server.x_hat)
     bundle = pack_bundle({f"{i + 1}/{name}": tiny for i in range(count) for name in names})
     return steps, bundle

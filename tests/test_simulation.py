@@ -61,7 +61,7 @@ def test_simulation_learns_writes_results_and_counts_real_bytes(first_run) -> No
     for rnd in results["rounds"]:
         assert (rnd["selected"], rnd["replied"], rnd["failures"]) == (3, 3, 0)
         for row in rnd["per_client"]:
-            assert row["uplink_codec_bytes"] == fp32_packed == row["client_codec_bytes"]
+            assert row["uplink_codec_bytes"] == fp32_packed
             assert row["uplink_record_bytes"] > row["uplink_codec_bytes"]
             # The model dominates; Flower adds about 1.3 KB of objects per message.
             assert 0 < row["uplink_wire_bytes"] - row["uplink_codec_bytes"] < 4096
@@ -189,7 +189,7 @@ def test_compressed_simulation_records_the_real_payload_sizes(spec: dict) -> Non
     for rnd in results["rounds"]:
         assert (rnd["replied"], rnd["failures"]) == (3, 0)
         for row in rnd["per_client"]:
-            assert row["uplink_codec_bytes"] == expected == row["client_codec_bytes"]
+            assert row["uplink_codec_bytes"] == expected
             assert row["uplink_wire_bytes"] > row["uplink_codec_bytes"]
     assert results["summary"]["ratio_vs_fp32_codec"] > 4
     assert results["summary"]["final_accuracy"] > results["summary"]["initial_accuracy"]

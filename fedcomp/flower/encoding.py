@@ -21,7 +21,6 @@ from fedcomp.flower.families.base import Encoded, Instruction
 from fedcomp.flower.memory_state import MemoryState
 from fedcomp.keys import (
     KEY_NUM_EXAMPLES,
-    METRIC_CODEC_BYTES,
     METRIC_ENCODE_S,
     METRIC_REL_ERROR,
     METRIC_STATE_BYTES,
@@ -88,7 +87,6 @@ def reply_metrics(
     fp32 reference is the server's to compute: fedcomp.flower.reference)."""
     out = MetricRecord(dict(metrics))
     out[METRIC_ENCODE_S] = encode_s
-    out[METRIC_CODEC_BYTES] = sum(len(b) for b in encoded.payloads.values())
     if measure_error and instruction.plan is None:  # joint codes: no per-client decode
         out[METRIC_REL_ERROR] = relative_error(encoded.payloads, encoded.inputs)
     for key, value in encoded.stats.items():

@@ -18,6 +18,7 @@ from fedcomp.flower.shared_settings import SharedSettings
 from fedcomp.keys import (
     KEY_ACK_ROUND,
     KEY_CODEC,
+    KEY_DOWNLINK_CODEC,
     KEY_EXPECTED_ID,
     KEY_JOINT_CLIENTS,
     KEY_JOINT_INDEX,
@@ -91,6 +92,7 @@ class Instructions:
         run_seed: int,
         policy: TensorPolicy | None,
         task: Mapping[str, Any] | None,
+        downlink_codec: str | None = None,
     ) -> None:
         self.codec_json = json.dumps(dict(codec_spec), sort_keys=True)
         self.run_seed = run_seed
@@ -99,7 +101,9 @@ class Instructions:
             values[KEY_POLICY] = json.dumps(dataclasses.asdict(policy), sort_keys=True)
         if task is not None:
             values[KEY_TASK] = json.dumps(dict(task), sort_keys=True)
-        #: The codec, policy and task JSON: sent until each client holds them.
+        if downlink_codec is not None:  # what steps are checked against, every round
+            values[KEY_DOWNLINK_CODEC] = downlink_codec
+        #: The codec, policy, task and downlink codec JSON: sent until each client holds them.
         self.shared = SharedSettings(values)
 
     def build(

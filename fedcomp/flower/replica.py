@@ -32,6 +32,8 @@ from fedcomp.downlink import (
     check_chain,
     checksum,
     parse_downlink,
+    scale_text,
+    wire_scale,
 )
 from fedcomp.flower.accounting import wire_bytes
 from fedcomp.keys import (
@@ -65,7 +67,8 @@ class ReplicaSender:
     def __init__(self, server: BroadcastServer) -> None:
         self.server = server
         self._full: tuple[int, ArrayRecord] | None = None
-        #: The codec spec "steps" instructions carry: what their clients check against.
+        #: The codec spec clients check "steps" against: it travels with the run settings
+        #: (fedcomp.flower.shared_settings), once per client, not in every instruction.
         self.codec_json = json.dumps(server.spec.codec, sort_keys=True)
 
     @classmethod
@@ -131,11 +134,16 @@ class ReplicaSender:
             config[KEY_DOWNLINK_PAYLOADS] = pack_bundle(
                 {f"{s.target}/{n}": p for s in steps for n, p in s.payloads.items()}
             )
+            # No per-step checksum: the client checks the replica it ends with against
+            # the instruction's own (KEY_DOWNLINK_CHECKSUM).
             config[KEY_DOWNLINK_STEPS] = json.dumps(
-                [[s.source, s.target, s.checksum, s.scales] for s in steps]
+                [
+                    [s.source, s.target, {n: scale_text(v) for n, v in s.scales.items()}]
+                    for s in steps
+                ],
+                separators=(",", ":"),
             )
             config[KEY_DOWNLINK_ARRAYS] = arrays_key
-            config[KEY_DOWNLINK_CODEC] = self.codec_json
             mode = DOWNLINK_STEPS
         config[KEY_DOWNLINK] = mode
         config[KEY_DOWNLINK_VERSION] = self.server.version
@@ -276,14 +284,15 @@ def _downlink_codec(config: ConfigRecord, accept: Mapping[str, Any] | None = Non
 
 def _max_headers_chars(names: list[str]) -> int:
     """The longest step list the server writes for a model with these tensors: per
-    step two versions and a checksum, and a scale per tensor (name and a float)."""
+    step two versions, and a scale per tensor (name and a float), with room to spare."""
     return MAX_STEPS * (96 + sum(len(json.dumps(n)) + 32 for n in names))
 
 
 def _step_headers(text: str, names: list[str]) -> list[Step]:
-    """The instruction's step list, each entry checked: [source, target, checksum,
-    {tensor: scale}], versions integers, scales numbers for tensors of the model; the
-    steps without their payloads yet."""
+    """The instruction's step list, each entry checked: [source, target, {tensor:
+    scale}], versions integers, scales numbers for tensors of the model (read as the
+    float32 the server applied, :func:`fedcomp.downlink.wire_scale`); the steps without
+    their payloads yet."""
     if len(text) > _max_headers_chars(names):
         raise ReplicaError(f"a {len(text)}-character step list, more than {MAX_STEPS} steps hold")
     try:
@@ -299,25 +308,28 @@ def _step_header(entry: Any, names: set[str]) -> Step:
     def number(v: Any) -> bool:
         return isinstance(v, int | float) and not isinstance(v, bool)
 
-    if not (isinstance(entry, list) and len(entry) == 4):
-        raise ReplicaError(f"step {entry!r:.80}: [source, target, checksum, scales] needed")
-    source, target, digest, scales = entry
+    if not (isinstance(entry, list) and len(entry) == 3):
+        raise ReplicaError(f"step {entry!r:.80}: [source, target, scales] needed")
+    source, target, scales = entry
     ok = (
         isinstance(source, int)
         and isinstance(target, int)
         and not isinstance(source, bool)
         and not isinstance(target, bool)
-        and isinstance(digest, str)
         and isinstance(scales, dict)
         and set(scales) <= names
         and all(number(v) for v in scales.values())
     )
     if not ok:
         raise ReplicaError(
-            f"step {entry!r:.80}: integer versions, a checksum and scales of the model's "
-            "tensors needed"
+            f"step {entry!r:.80}: integer versions and scales of the model's tensors needed"
         )
-    return Step(source, target, {}, digest, {k: float(v) for k, v in scales.items()})
+    try:
+        with np.errstate(over="ignore"):  # a float32 overflow is inf, refused as not finite
+            read = {k: wire_scale(v) for k, v in scales.items()}
+    except OverflowError as exc:  # an integer beyond any float
+        raise ReplicaError(f"step {entry!r:.80}: a scale out of range") from exc
+    return Step(source, target, {}, "", read)
 
 
 def _index_payloads(blob: object, steps: list[Step], held: Mapping[str, np.ndarray]) -> None:

@@ -1,5 +1,6 @@
 """The compressed train reply's layout, both halves: what the mod writes and what the
-wrapper reads (protocol version 2).
+wrapper reads (protocol version 3; version 2 had the same layout with the per-step
+checksums and the downlink codec in every instruction, and a codec-bytes metric).
 
 A reply is the fewest objects a Flower message can be: its Message, its RecordDict
 and one ConfigRecord, the header, holding the header fields, every tensor's payload in

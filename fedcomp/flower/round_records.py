@@ -12,7 +12,6 @@ from fedcomp.flower.accounting import wire_and_objects
 from fedcomp.flower.reference import ReplyReference
 from fedcomp.flower.round_state import Decoded
 from fedcomp.keys import (
-    METRIC_CODEC_BYTES,
     METRIC_CV_BOUND,
     METRIC_CV_DELTA,
     METRIC_CV_NOISE,
@@ -66,7 +65,6 @@ def account_reply(
     row["uplink_codec_bytes"] = sum(len(p) for p in item.payloads.values())
     row["encode_s"] = float(metrics.get(METRIC_ENCODE_S, 0.0))
     row["num_examples"] = int(weight)
-    row["client_codec_bytes"] = int(metrics.get(METRIC_CODEC_BYTES, -1))
     for key in _COPIED:
         if key in metrics:
             row[key.removeprefix("fedcomp.")] = float(metrics[key])

@@ -1,8 +1,9 @@
 """Run settings sent once per client, both halves.
 
-Every instruction needs the codec spec, the tensor policy and the app's task settings
-(about 0.6 KB of JSON), and they do not change during a run. The server sends them in
-full until a client's reply header confirms it holds them (their digest); after that
+Every instruction needs the codec spec, the tensor policy, the app's task settings and,
+with a compressed downlink, the downlink codec's spec (about 0.7 KB of JSON), and they
+do not change during a run. The server sends them in full until a client's reply header
+confirms it holds them (their digest); after that
 an instruction carries only the digest. The client keeps them in ``Context.state`` and
 puts them back into the instruction's config before anything reads it, so the rest of
 the mod and the app see the same config either way. A client that lost them (a wiped
@@ -15,10 +16,10 @@ import hashlib
 
 from flwr.app import ConfigRecord, RecordDict
 
-from fedcomp.keys import KEY_CODEC, KEY_POLICY, KEY_SETTINGS, KEY_TASK
+from fedcomp.keys import KEY_CODEC, KEY_DOWNLINK_CODEC, KEY_POLICY, KEY_SETTINGS, KEY_TASK
 
 #: The config keys whose values travel once (absent ones are simply not sent).
-SHARED_KEYS = (KEY_CODEC, KEY_POLICY, KEY_TASK)
+SHARED_KEYS = (KEY_CODEC, KEY_POLICY, KEY_TASK, KEY_DOWNLINK_CODEC)
 #: Context.state record holding the last settings the server sent this client.
 RECORD_SETTINGS = "fedcomp.settings"
 

@@ -65,8 +65,14 @@ def build_parts(
     policy = sent or TensorPolicy()
     if not isinstance(downlink, DownlinkSpec):
         downlink = parse_downlink(downlink or {"name": "fp32"})
-    instructions = Instructions(codec.spec(), run_seed=run_seed, policy=sent, task=options.task)
     replicas = ReplicaSender.of(downlink, policy, run_seed)
+    instructions = Instructions(
+        codec.spec(),
+        run_seed=run_seed,
+        policy=sent,
+        task=options.task,
+        downlink_codec=replicas.codec_json if replicas else None,
+    )
     ident = options.identity
     clients = ClientHoldings(
         instructions.shared, replicas, reply_timeout=ident.reply_timeout, bind_keys=ident.bind_keys
