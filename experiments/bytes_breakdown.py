@@ -1,10 +1,11 @@
-"""Where every byte of one train reply goes, measured on a real reply (issue 42).
+"""Where every byte of one train reply and its instruction goes, measured on real messages.
 
     python -m experiments.bytes_breakdown [--preset leaderboard_fmnist] [--recipe eden1]
                                           [OVERRIDE ...] [--out FILE.md]
 
-One client of the preset's setting trains one round through the real ClientApp (mods
-included) in this process; its compressed reply is taken apart: Flower's envelope (the
+One client of the preset's setting trains two rounds through the real ClientApp (mods
+included) in this process; its round-2 compressed reply (and the model-free instruction
+it answers, under a compressed downlink) is taken apart: Flower's envelope (the
 Message, RecordDict and ConfigRecord objects and their keys), fedcomp's header fields,
 the metrics, the payload bundle's table, and per tensor the payload header, the codec's
 parameters, its scales, its codes and the padding they carry (the codec's bits on the
@@ -30,7 +31,7 @@ from fedcomp.codecs import codec_class_by_id, parse_payload
 from fedcomp.codecs.wire import HEADER_FIXED_BYTES
 from fedcomp.flower.accounting import wire_and_objects
 from fedcomp.flower.reply_format import METRIC_PREFIX
-from fedcomp.keys import KEY_PAYLOADS, RECORD_HEADER
+from fedcomp.keys import KEY_DOWNLINK_PAYLOADS, KEY_PAYLOADS, RECORD_HEADER
 
 
 def config_entry_bytes(key: str, value: Any) -> int:
@@ -75,21 +76,22 @@ def _eden_padded(numel: int, block: int) -> int:
     return padded_length(numel, block)
 
 
-def breakdown(reply: Message) -> list[tuple[str, str, int]]:
-    """(group, item, bytes) rows that add up to the reply's wire bytes."""
-    wire, _ = wire_and_objects(reply)
-    header = reply.content.config_records[RECORD_HEADER]
+def breakdown(msg: Message) -> list[tuple[str, str, int]]:
+    """(group, item, bytes) rows that add up to the message's wire bytes: a compressed
+    train reply (its header record) or a model-free train instruction (its config)."""
+    wire, _ = wire_and_objects(msg)
+    record, blob_key = _fedcomp_record(msg)
     rows: list[tuple[str, str, int]] = []
     entries = 0
-    for key, value in header.items():
-        if key == KEY_PAYLOADS:
+    for key, value in record.items():
+        if key == blob_key:
             continue
         size = config_entry_bytes(key, value)
-        group = "metrics" if key.startswith(METRIC_PREFIX) else "fedcomp header fields"
+        group = "metrics" if key.startswith(METRIC_PREFIX) else "header fields"
         rows.append((group, key.removeprefix(METRIC_PREFIX), size))
         entries += size
-    blob = header[KEY_PAYLOADS]
-    bundle_entry = config_entry_bytes(KEY_PAYLOADS, blob)
+    blob = record[blob_key]
+    bundle_entry = config_entry_bytes(blob_key, blob)
     payloads = unpack_bundle(blob, max_entries=1 << 16)
     table = len(blob) - sum(len(p) for p in payloads.values())
     rows.append(("payload bundle", "bundle table (magic, count, names, lengths)", table))
@@ -97,17 +99,26 @@ def breakdown(reply: Message) -> list[tuple[str, str, int]]:
         ("payload bundle", "its ConfigRecord entry (key, length)", bundle_entry - len(blob))
     )
     for name, payload in payloads.items():
+        numel = parse_payload(bytes(payload)).header.numel
         for part, size in tensor_parts(bytes(payload)).items():
-            rows.append(
-                (f"tensor {name} ({parse_payload(bytes(payload)).header.numel})", part, size)
-            )
+            rows.append((f"tensor {name} ({numel})", part, size))
     envelope = wire - entries - bundle_entry
     rows.insert(0, ("Flower envelope", "Message, RecordDict, ConfigRecord objects", envelope))
     return rows
 
 
-def capture_reply(preset: str, overrides: Sequence[str]) -> Message:
-    """One client's compressed train reply of round 1 of the preset's first run."""
+def _fedcomp_record(msg: Message) -> tuple[ConfigRecord, str]:
+    """The record holding fedcomp's fields and payload bundle, and the bundle's key."""
+    if RECORD_HEADER in msg.content.config_records:
+        return msg.content.config_records[RECORD_HEADER], KEY_PAYLOADS
+    record = next(c for c in msg.content.config_records.values() if KEY_DOWNLINK_PAYLOADS in c)
+    return record, KEY_DOWNLINK_PAYLOADS
+
+
+def capture(preset: str, overrides: Sequence[str]) -> tuple[Message, Message]:
+    """One client's compressed train reply of round 2 of the preset's first run, and the
+    train instruction it answers (the run settings already held: what every later round
+    sends; model-free under a compressed downlink)."""
     from clients.client_app import make_client_app
     from clients.paths import paths_of
     from experiments.inprocess import InProcessGrid, set_task_identity
@@ -115,11 +126,18 @@ def capture_reply(preset: str, overrides: Sequence[str]) -> Message:
     from strategies.server_app import run_server
 
     settings = preset_settings(preset, "seed=0", *overrides)[0]
-    settings.num_rounds, settings.progress, settings.learning_check = 1, "off", False
+    settings.num_rounds, settings.progress, settings.learning_check = 2, "off", False
     set_task_identity()
     grid = InProcessGrid(make_client_app(paths=paths_of(settings)), settings.num_clients)
     run_server(grid, settings)
-    return next(r for r in grid.replies if _is_train(r))
+    reply = [r for r in grid.replies if _is_train(r)][-1]
+    node = reply.metadata.src_node_id  # the last train instruction to that node
+    sent = [
+        m
+        for m in grid.sent
+        if m.metadata.dst_node_id == node and m.metadata.message_type == MessageType.TRAIN
+    ]
+    return reply, sent[-1]
 
 
 def _is_train(msg: Message) -> bool:
@@ -131,13 +149,13 @@ def _is_train(msg: Message) -> bool:
     )
 
 
-def table(rows: list[tuple[str, str, int]], total: int) -> str:
+def table(rows: list[tuple[str, str, int]], total: int, what: str = "reply") -> str:
     lines = ["| part | item | bytes | share |", "|---|---|---|---|"]
     groups: dict[str, int] = {}
     for group, item, size in rows:
         groups[group] = groups.get(group, 0) + size
         lines.append(f"| {group} | {item} | {size:,} | {size / total:.1%} |")
-    lines.append(f"| **total** | wire bytes of the reply | **{total:,}** | 100% |")
+    lines.append(f"| **total** | wire bytes of the {what} | **{total:,}** | 100% |")
     summary = ["", "| part | bytes | share |", "|---|---|---|"]
     summary += [f"| {g} | {b:,} | {b / total:.1%} |" for g, b in groups.items()]
     return "\n".join(lines + summary)
@@ -150,11 +168,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--recipe", default="eden1")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
-    reply = capture_reply(args.preset, [f"recipe={args.recipe}", *args.overrides])
-    rows = breakdown(reply)
-    total = wire_and_objects(reply)[0]
-    assert sum(r[2] for r in rows) == total
-    text = table(rows, total)
+    reply, instruction = capture(args.preset, [f"recipe={args.recipe}", *args.overrides])
+    parts = []
+    for title, msg in (("train reply", reply), ("train instruction", instruction)):
+        total = wire_and_objects(msg)[0]
+        if title == "train instruction" and KEY_DOWNLINK_PAYLOADS not in msg.content.get(
+            "config", {}
+        ):
+            parts.append(f"## {title}\n\n{total:,} wire bytes: the full model (no downlink codec)")
+            continue
+        rows = breakdown(msg)
+        assert sum(r[2] for r in rows) == total
+        parts.append(f"## {title}\n\n" + table(rows, total, title.split()[-1]))
+    text = "\n\n".join(parts)
     print(text)
     if args.out:
         args.out.write_text(text + "\n")
