@@ -17,6 +17,7 @@ raw. Every figure is a measured length; the parts add up to the reply's wire byt
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import struct
 import sys
@@ -31,7 +32,7 @@ from fedcomp.codecs import codec_class_by_id, parse_payload
 from fedcomp.codecs.wire import HEADER_FIXED_BYTES
 from fedcomp.flower.accounting import wire_and_objects
 from fedcomp.flower.reply_format import METRIC_PREFIX
-from fedcomp.keys import KEY_DOWNLINK_PAYLOADS, KEY_PAYLOADS, RECORD_HEADER
+from fedcomp.keys import KEY_DOWNLINK_PAYLOADS, KEY_DOWNLINK_STEPS, KEY_PAYLOADS, RECORD_HEADER
 
 
 def config_entry_bytes(key: str, value: Any) -> int:
@@ -76,9 +77,10 @@ def _eden_padded(numel: int, block: int) -> int:
     return padded_length(numel, block)
 
 
-def breakdown(msg: Message) -> list[tuple[str, str, int]]:
+def breakdown(msg: Message, names: Sequence[str]) -> list[tuple[str, str, int]]:
     """(group, item, bytes) rows that add up to the message's wire bytes: a compressed
-    train reply (its header record) or a model-free train instruction (its config)."""
+    train reply (its header record) or a model-free train instruction (its config);
+    ``names``: the model's tensors, in order (a positional bundle carries none)."""
     wire, _ = wire_and_objects(msg)
     record, blob_key = _fedcomp_record(msg)
     rows: list[tuple[str, str, int]] = []
@@ -92,9 +94,9 @@ def breakdown(msg: Message) -> list[tuple[str, str, int]]:
         entries += size
     blob = record[blob_key]
     bundle_entry = config_entry_bytes(blob_key, blob)
-    payloads = unpack_bundle(blob, max_entries=1 << 16)
+    payloads = unpack_bundle(blob, max_entries=1 << 16, names=_entry_names(msg, blob_key, names))
     table = len(blob) - sum(len(p) for p in payloads.values())
-    rows.append(("payload bundle", "bundle table (magic, count, names, lengths)", table))
+    rows.append(("payload bundle", "bundle table (magic, count, lengths)", table))
     rows.append(
         ("payload bundle", "its ConfigRecord entry (key, length)", bundle_entry - len(blob))
     )
@@ -107,6 +109,14 @@ def breakdown(msg: Message) -> list[tuple[str, str, int]]:
     return rows
 
 
+def _entry_names(msg: Message, blob_key: str, names: Sequence[str]) -> list[str]:
+    """The bundle's entry names: the model's, per step in an instruction."""
+    if blob_key == KEY_PAYLOADS:
+        return list(names)
+    steps = json.loads(msg.content["config"][KEY_DOWNLINK_STEPS])
+    return [f"{target}/{name}" for _, target, _ in steps for name in names]
+
+
 def _fedcomp_record(msg: Message) -> tuple[ConfigRecord, str]:
     """The record holding fedcomp's fields and payload bundle, and the bundle's key."""
     if RECORD_HEADER in msg.content.config_records:
@@ -115,14 +125,15 @@ def _fedcomp_record(msg: Message) -> tuple[ConfigRecord, str]:
     return record, KEY_DOWNLINK_PAYLOADS
 
 
-def capture(preset: str, overrides: Sequence[str]) -> tuple[Message, Message]:
-    """One client's compressed train reply of round 2 of the preset's first run, and the
+def capture(preset: str, overrides: Sequence[str]) -> tuple[Message, Message, list[str]]:
+    """One client's compressed train reply of round 2 of the preset's first run, the
     train instruction it answers (the run settings already held: what every later round
-    sends; model-free under a compressed downlink)."""
+    sends; model-free under a compressed downlink) and the model's tensor names."""
     from clients.client_app import make_client_app
     from clients.paths import paths_of
     from experiments.inprocess import InProcessGrid, set_task_identity
     from experiments.presets import preset_settings
+    from fedcomp.models import build_model
     from strategies.server_app import run_server
 
     settings = preset_settings(preset, "seed=0", *overrides)[0]
@@ -137,7 +148,8 @@ def capture(preset: str, overrides: Sequence[str]) -> tuple[Message, Message]:
         for m in grid.sent
         if m.metadata.dst_node_id == node and m.metadata.message_type == MessageType.TRAIN
     ]
-    return reply, sent[-1]
+    names = list(build_model(settings.model, settings.dataset.name, settings.seed).state_dict())
+    return reply, sent[-1], names
 
 
 def _is_train(msg: Message) -> bool:
@@ -168,7 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--recipe", default="eden1")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
-    reply, instruction = capture(args.preset, [f"recipe={args.recipe}", *args.overrides])
+    reply, instruction, names = capture(args.preset, [f"recipe={args.recipe}", *args.overrides])
     parts = []
     for title, msg in (("train reply", reply), ("train instruction", instruction)):
         total = wire_and_objects(msg)[0]
@@ -177,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ):
             parts.append(f"## {title}\n\n{total:,} wire bytes: the full model (no downlink codec)")
             continue
-        rows = breakdown(msg)
+        rows = breakdown(msg, names)
         assert sum(r[2] for r in rows) == total
         parts.append(f"## {title}\n\n" + table(rows, total, title.split()[-1]))
     text = "\n\n".join(parts)

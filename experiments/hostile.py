@@ -25,7 +25,7 @@ from flwr.app import (
 from clients.client_app import make_client_app
 from experiments.inprocess import InProcessGrid, initial_arrays, set_task_identity
 from experiments.memory import address_space_cap, peak_rss, reset_peak_rss
-from fedcomp.bundle import pack_bundle
+from fedcomp.bundle import is_positional, pack_bundle
 from fedcomp.failures import Failure
 from fedcomp.flower.options import IdentityOptions, ServerOptions
 from fedcomp.flower.reply_format import metrics_of, payloads_of, replace_metrics
@@ -64,7 +64,10 @@ def _map_payloads(reply: Message, instruction: Message, change) -> Message:
         buf = bytearray(payload)
         change(name, buf)
         changed[name] = bytes(buf)
-    return _header(reply, instruction, **{KEY_PAYLOADS: pack_bundle(changed)})
+    blob = reply.content.config_records[RECORD_HEADER][KEY_PAYLOADS]
+    return _header(
+        reply, instruction, **{KEY_PAYLOADS: pack_bundle(changed, named=not is_positional(blob))}
+    )
 
 
 def _header(reply: Message, instruction: Message, **fields) -> Message:
@@ -162,8 +165,11 @@ def bundle_length_bomb(pid, reply, instruction):
     """A payload bundle whose first payload claims 2^32 - 1 bytes."""
     header = reply.content.config_records[RECORD_HEADER]
     blob = bytearray(header[KEY_PAYLOADS])
-    (name_length,) = struct.unpack_from("<H", blob, 7)
-    struct.pack_into("<I", blob, 9 + name_length, 2**32 - 1)
+    if is_positional(bytes(blob)):  # the lengths follow the 7-byte head
+        struct.pack_into("<I", blob, 7, 2**32 - 1)
+    else:  # after the first name
+        (name_length,) = struct.unpack_from("<H", blob, 7)
+        struct.pack_into("<I", blob, 9 + name_length, 2**32 - 1)
     return _header(reply, instruction, **{KEY_PAYLOADS: bytes(blob)})
 
 

@@ -13,7 +13,9 @@ from fedcomp.bundle import (
     BUNDLE_MAGIC,
     BUNDLE_VERSION,
     MAX_NAME_BYTES,
+    POSITIONAL_VERSION,
     BundleError,
+    is_positional,
     pack_bundle,
     unpack_bundle,
 )
@@ -95,7 +97,7 @@ def test_the_name_length_bound_at_its_value_and_one_past() -> None:
     [
         (b"FB\x01\x00\x00", "truncated bundle: 5 bytes"),
         (b"XX" + pack_bundle(ITEMS)[2:], "not a payload bundle"),
-        (b"FB\x02" + pack_bundle(ITEMS)[3:], "bundle format version 2, this reads 1"),
+        (b"FB\x03" + pack_bundle(ITEMS)[3:], "bundle format version 3, this reads 1 and 2"),
         (_by_hand({"a": b"1", "b": b"2"}).replace(b"\x01\x00b", b"\x01\x00a"), "appears twice"),
         (_by_hand({"ab": b""}).replace(b"ab", b"\xff\xfe"), "not UTF-8"),
     ],
@@ -136,3 +138,65 @@ def test_every_truncation_and_every_byte_flip_reads_back_or_is_refused() -> None
         sizes = sum(len(v) for v in out.values())
         table = 7 + sum(2 + len(n.encode()) + 4 for n in out)
         assert table + sizes == len(candidate)
+
+
+# --------------------------------------------------------- positional bundles (version 2)
+
+
+def _positional_by_hand(items: dict[str, bytes]) -> bytes:
+    """Version 2 written out from the definition: no names, the lengths, the payloads."""
+    out = BUNDLE_MAGIC + bytes([POSITIONAL_VERSION]) + len(items).to_bytes(4, "little")
+    out += b"".join(len(p).to_bytes(4, "little") for p in items.values())
+    return out + b"".join(items.values())
+
+
+def test_a_positional_bundle_is_its_definition_and_takes_the_readers_names() -> None:
+    blob = pack_bundle(ITEMS, named=False)
+    assert blob == _positional_by_hand(ITEMS) and is_positional(blob)
+    assert not is_positional(pack_bundle(ITEMS))
+    # what the names cost in a named bundle, and nothing else
+    assert len(pack_bundle(ITEMS)) - len(blob) == sum(2 + len(n.encode()) for n in ITEMS)
+    out = unpack_bundle(blob, max_entries=3, names=list(ITEMS))
+    assert {k: bytes(v) for k, v in out.items()} == ITEMS and list(out) == list(ITEMS)
+    assert all(v.obj is blob for v in out.values())
+    plain = unpack_bundle(blob, max_entries=3)  # no names given: its positions
+    assert list(plain) == ["0", "1", "2"] and [bytes(v) for v in plain.values()] == list(
+        ITEMS.values()
+    )
+
+
+def test_a_positional_bundle_must_hold_exactly_the_readers_names() -> None:
+    blob = pack_bundle(ITEMS, named=False)
+    for names in (["a", "b"], ["a", "b", "c", "d"]):
+        with pytest.raises(BundleError, match=f"claims 3 payloads, exactly {len(names)}"):
+            unpack_bundle(blob, max_entries=8, names=names)
+    with pytest.raises(BundleError, match="claims 3 payloads, at most 2"):
+        unpack_bundle(blob, max_entries=2)
+
+
+def test_a_positional_table_that_does_not_fit_is_refused_before_it_is_read() -> None:
+    forged = BUNDLE_MAGIC + bytes([POSITIONAL_VERSION]) + (5).to_bytes(4, "little") + b"\0" * 12
+    with pytest.raises(BundleError, match="a table of 5 lengths does not fit"):
+        unpack_bundle(forged, max_entries=8)
+
+
+def test_every_truncation_and_byte_flip_of_a_positional_bundle_reads_back_or_is_refused() -> None:
+    blob = pack_bundle(ITEMS, named=False)
+    rng = np.random.default_rng(1)
+    candidates = [blob[:cut] for cut in range(len(blob))]
+    for i in range(len(blob)):
+        for value in (0, 255, int(rng.integers(256))):
+            changed = bytearray(blob)
+            changed[i] = value
+            candidates.append(bytes(changed))
+    for candidate in candidates:
+        for names in (None, list(ITEMS)):
+            try:
+                out = unpack_bundle(candidate, max_entries=8, names=names)
+            except BundleError:
+                continue
+            if is_positional(candidate):
+                table = 7 + 4 * len(out)
+            else:  # a flipped version byte reads it as named
+                table = 7 + sum(2 + len(n.encode()) + 4 for n in out)
+            assert table + sum(len(v) for v in out.values()) == len(candidate)

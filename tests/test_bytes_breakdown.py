@@ -25,16 +25,24 @@ def _payloads(msg):
     return unpack_bundle(msg.content["config"][KEY_DOWNLINK_PAYLOADS], max_entries=64)
 
 
+def _name(msg, position: str, names: list[str]) -> str:
+    """A positional entry's tensor name (reply: the model's; instruction: per step)."""
+    i = int(position)
+    prefix = "" if RECORD_HEADER in msg.content.config_records else "1/"
+    return prefix + names[i % len(names)]
+
+
 @pytest.mark.parametrize("which", [0, 1], ids=["reply", "instruction"])
 def test_the_parts_add_up_to_the_wire_bytes_and_each_tensor_to_its_payload(
     messages, which
 ) -> None:
-    msg = messages[which]
-    rows = breakdown(msg)
+    msg, names = messages[which], messages[2]
+    rows = breakdown(msg, names)
     assert sum(size for _, _, size in rows) == wire_and_objects(msg)[0]
     assert all(size >= 0 for _, _, size in rows)
     payloads = _payloads(msg)
-    for name, payload in payloads.items():
+    for position, payload in payloads.items():
+        name = _name(msg, position, names)
         numel = parse_payload(bytes(payload)).header.numel
         parts = {item: size for group, item, size in rows if group == f"tensor {name} ({numel})"}
         assert sum(parts.values()) == len(payload)

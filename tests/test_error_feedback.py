@@ -142,7 +142,8 @@ def test_a_lost_reply_desynchronizes_nothing() -> None:
     ][-1]
     checked = 0
     for name, e3 in lost.pending.items():
-        decoded = decode_bytes(payloads_of(reply.content[RECORD_HEADER])[name]).numpy()
+        header = reply.content[RECORD_HEADER]
+        decoded = decode_bytes(payloads_of(header, list(spy.local[LOST_CLIENT]))[name]).numpy()
         x3 = spy.local[LOST_CLIENT][name] - received[name]
         expected = x3 + lost.committed[name]
         assert np.allclose(decoded + e3, expected, atol=1e-6)

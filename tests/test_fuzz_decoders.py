@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from experiments.fuzzing import FLOATS, mutate
 from experiments.memory import address_space_cap
 from fedcomp import compiled
-from fedcomp.bundle import BundleError, pack_bundle, unpack_bundle
+from fedcomp.bundle import BundleError, is_positional, pack_bundle, unpack_bundle
 from fedcomp.codecs import (
     PayloadError,
     TensorPolicy,
@@ -255,7 +255,7 @@ def test_one_overwritten_field_is_a_spec_mismatch_naming_it(spec, offset, field,
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(mutation, min_size=1, max_size=3))
 @example(ops=[("u32", 3, 2**32 - 1)])  # the count
-@example(ops=[("u32", 10, 2**32 - 1)])  # the first payload's length
+@example(ops=[("u32", 7, 2**32 - 1)])  # the first payload's length (a positional bundle)
 def test_mutated_reply_bundles_are_checked_or_refused(ops: list) -> None:
     """EXAMPLES cases (10^4 in `make fuzz`): a train reply whose payload bundle is
     mutated is refused by the reply checks (a Rejection) or yields the model's one
@@ -273,7 +273,8 @@ def test_mutated_reply_bundles_are_checked_or_refused(ops: list) -> None:
         except Rejection:
             return
         assert list(checked.payloads) == [NAME]
-        assert 7 + 2 + len(NAME) + 4 + len(checked.payloads[NAME]) == len(blob)
+        table = 7 + 4 if is_positional(blob) else 7 + 2 + len(NAME) + 4
+        assert table + len(checked.payloads[NAME]) == len(blob)
         _server_decode_or_reject(bytes(checked.payloads[NAME]), spec)
 
 
@@ -465,7 +466,7 @@ def _mutate_instruction(msg, op: tuple) -> None:
             record[key] = mutate(data, op[2])
         else:
             record[op[2]] = data
-        config[KEY_DOWNLINK_PAYLOADS] = pack_bundle(record)
+        config[KEY_DOWNLINK_PAYLOADS] = pack_bundle(record, named=not is_positional(blob))
     elif kind == "bundle" and isinstance(blob, bytes):
         config[KEY_DOWNLINK_PAYLOADS] = mutate(blob, op[1])
     elif kind == "version":

@@ -244,10 +244,10 @@ def test_steps_weighing_more_than_the_model_are_refused(decodes) -> None:
 def test_versions_that_do_not_increase_and_chain_are_refused(versions, needle, decodes) -> None:
     server, replica = _lagging(UNIFORM4, 3)
     msg = _instruction(server)
+    record = _step_record(msg, server)
     steps = json.loads(_config(msg)[KEY_DOWNLINK_STEPS])
     for step, (source, target) in zip(steps, versions, strict=True):
         step[0], step[1] = source, target
-    record = unpack_bundle(_config(msg)[KEY_DOWNLINK_PAYLOADS], max_entries=64)
     _config(msg)[KEY_DOWNLINK_PAYLOADS] = pack_bundle(  # the payloads follow their new targets
         {f"{t}/{k.partition('/')[2]}": v for k, v in record.items() for t in [_retarget(k, steps)]}
     )
@@ -256,6 +256,15 @@ def test_versions_that_do_not_increase_and_chain_are_refused(versions, needle, d
     with pytest.raises(ReplicaError, match=needle):
         rebuild_model(msg, replica)
     assert decodes == []
+
+
+def _step_record(msg: Message, server: BroadcastServer) -> dict:
+    """The instruction's step payloads under their names, "<target>/<tensor>" (the
+    bundle is positional: the client reads it with these names)."""
+    steps = json.loads(_config(msg)[KEY_DOWNLINK_STEPS])
+    names = [f"{step[1]}/{name}" for step in steps for name in server.x_hat]
+    blob = _config(msg)[KEY_DOWNLINK_PAYLOADS]
+    return dict(unpack_bundle(blob, max_entries=len(names), names=names))
 
 
 def _retarget(key: str, steps: list) -> int:
@@ -345,7 +354,7 @@ def test_a_payload_nested_beyond_the_spec_is_refused_before_decoding(
     wrong = _nested(levels, 512)
     if levels == 4:  # rotate(entropy(rotate(uniform))) under the spec's entropy stage
         wrong = _stage("entropy", wrong, 512)
-    record = dict(unpack_bundle(_config(msg)[KEY_DOWNLINK_PAYLOADS], max_entries=64))
+    record = _step_record(msg, server)
     record["2/w"] = wrong
     _config(msg)[KEY_DOWNLINK_PAYLOADS] = pack_bundle(record)
     decodes.clear()

@@ -87,7 +87,9 @@ def _library_mean(settings, initial, captured, keep):
     taus = dict(zip(names, unpack_taus(first_config[KEY_JOINT_TAU], blocks), strict=True))
     out = {}
     for name in names:
-        payloads = [bytes(payloads_of(r.content[RECORD_HEADER])[name]) for _, r, _ in train]
+        payloads = [
+            bytes(payloads_of(r.content[RECORD_HEADER], list(arrays))[name]) for _, r, _ in train
+        ]
         indices = [int(m.content.config_records["config"][KEY_JOINT_INDEX]) for _, _, m in train]
         n = int(first_config[KEY_JOINT_CLIENTS])
         out[name] = code.decode_mean(

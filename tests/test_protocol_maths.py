@@ -187,7 +187,7 @@ def test_residual_reconstruction_mean_and_mirror_update_follow_their_definitions
         for reply in seen.replies[t]:
             sid, weights[sid] = _sid_weight(reply)
             header = reply.content.config_records[RECORD_HEADER]
-            payloads = payloads_of(header)
+            payloads = payloads_of(header, list(glob))
             # Round 1: no state anywhere, a restart from h = 0 (bootstrap "zero"); then
             # a normal reply against the mirror of the version the header states.
             if t == 0:
@@ -308,7 +308,7 @@ def test_onebit_later_rounds_decode_around_the_previous_aggregate_and_tau_follow
         (handed,) = seen.inner_in[t]  # one pre-aggregated reply
         for name in names:
             payloads = [
-                bytes(payloads_of(r.content[RECORD_HEADER])[name])
+                bytes(payloads_of(r.content[RECORD_HEADER], list(seen.globals[t]))[name])
                 for r in sorted(seen.replies[t], key=lambda r: _sid_weight(r)[0])
             ]
             common = {

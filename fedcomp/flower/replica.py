@@ -131,8 +131,10 @@ class ReplicaSender:
             mode = DOWNLINK_FULL
         else:
             del content[arrays_key]
+            # Positional: the client knows the names (each step's tensors, model order).
             config[KEY_DOWNLINK_PAYLOADS] = pack_bundle(
-                {f"{s.target}/{n}": p for s in steps for n, p in s.payloads.items()}
+                {f"{s.target}/{n}": p for s in steps for n, p in s.payloads.items()},
+                named=False,
             )
             # No per-step checksum: the client checks the replica it ends with against
             # the instruction's own (KEY_DOWNLINK_CHECKSUM).
@@ -335,10 +337,12 @@ def _step_header(entry: Any, names: set[str]) -> Step:
 def _index_payloads(blob: object, steps: list[Step], held: Mapping[str, np.ndarray]) -> None:
     """Put each step's payloads into it, from ONE pass over the bundle: every entry is
     "<target>/<tensor>" for a listed target (the targets increase: check_chain) and a
-    tensor of the model, and there are exactly the steps' tensors."""
+    tensor of the model, and there are exactly the steps' tensors, step by step in
+    model order (a positional bundle takes these names)."""
     expected = len(steps) * len(held)
+    names = [f"{step.target}/{name}" for step in steps for name in held]
     try:
-        record = unpack_bundle(blob, max_entries=expected)
+        record = unpack_bundle(blob, max_entries=expected, names=names)
     except BundleError as exc:
         raise ReplicaError(f"'{KEY_DOWNLINK_PAYLOADS}': {exc}") from exc
     if len(record) != expected:

@@ -16,7 +16,7 @@ from typing import Any
 
 from flwr.app import ConfigRecord, MetricRecord, RecordDict
 
-from fedcomp.bundle import pack_bundle, unpack_bundle
+from fedcomp.bundle import is_positional, pack_bundle, unpack_bundle
 from fedcomp.keys import KEY_PAYLOADS, RECORD_HEADER
 
 #: Header entries holding the reply's metrics: ``METRIC_PREFIX + name`` (the app's own
@@ -31,8 +31,8 @@ def reply_content(
     header: Mapping[str, Any], payloads: Mapping[str, bytes], metrics: MetricRecord
 ) -> RecordDict:
     """The reply content, one record: ``header`` fields, the payload bundle (model
-    order) and the metrics."""
-    fields = {**header, KEY_PAYLOADS: pack_bundle(payloads)}
+    order, positional: the server reads it with the model's names) and the metrics."""
+    fields = {**header, KEY_PAYLOADS: pack_bundle(payloads, named=False)}
     fields.update({METRIC_PREFIX + k: v for k, v in metrics.items()})
     return RecordDict({RECORD_HEADER: ConfigRecord(fields)})
 
@@ -72,6 +72,7 @@ def replace_metrics(content: RecordDict, metrics: Mapping[str, Any]) -> None:
 
 
 def replace_payloads(content: RecordDict, payloads: Mapping[str, bytes]) -> None:
-    """Put other payloads into a reply (in place): what a tool or a test that plays a
-    hostile client does."""
-    content[RECORD_HEADER][KEY_PAYLOADS] = pack_bundle(payloads)
+    """Put other payloads into a reply (in place), in the order given and the bundle
+    format the reply had: what a tool or a test that plays a hostile client does."""
+    header = content[RECORD_HEADER]
+    header[KEY_PAYLOADS] = pack_bundle(payloads, named=not is_positional(header.get(KEY_PAYLOADS)))
