@@ -163,3 +163,44 @@ def test_a_version_1_instruction_is_refused_by_the_mod_before_training() -> None
     reply = CompressionMod()(msg, ctxt, never)
     assert reply.has_error()
     assert f"server protocol 1, this client speaks {PROTOCOL_VERSION}" in reply.error.reason
+
+
+def test_the_settings_digest_and_handles_travel_only_in_the_reply_to_settings_in_full() -> None:
+    """A client states the run settings' digest (and the kinds it handles) in its reply
+    to an instruction that carried them in full, never in the reply to a digest-only
+    one; the server counts a client as holding them from that statement and until an
+    error reply, whatever replies without a digest come between."""
+    from fedcomp.flower.shared_settings import SharedSettings
+    from fedcomp.keys import KEY_HANDLES, KEY_SETTINGS
+
+    model = _model(2)
+    shared = SharedSettings({KEY_CODEC: json.dumps({"name": "uniform", "bits": 4})})
+
+    def instruction(full: bool) -> Message:
+        config = ConfigRecord({KEY_PROTOCOL: PROTOCOL_VERSION, KEY_ROUND: ROUND, KEY_RUN_SEED: 7})
+        shared.fill(config, SID, restores=not full)
+        assert (KEY_CODEC in config) == full
+        arrays = ArrayRecord({k: Array(v) for k, v in model.items()})
+        return Message(
+            RecordDict({"arrays": arrays, "config": config}),
+            dst_node_id=1,
+            message_type=MessageType.TRAIN,
+        )
+
+    def app(msg: Message, ctxt: Context) -> Message:
+        arrays = ArrayRecord({k: Array(v + 0.01) for k, v in model.items()})
+        metrics = MetricRecord({KEY_NUM_EXAMPLES: 10})
+        return Message(RecordDict({"arrays": arrays, "metrics": metrics}), reply_to=msg)
+
+    ctxt = Context(1, 11, {"partition-id": SID, "num-partitions": 8}, RecordDict(), {})
+    mod = CompressionMod(TensorPolicy(min_numel=0))
+    first = mod(instruction(True), ctxt, app).content[RECORD_HEADER]
+    assert first[KEY_SETTINGS] == shared.digest and KEY_HANDLES in first
+    shared.note_reply(SID, first)
+    assert SID in shared.held
+    later = mod(instruction(False), ctxt, app).content[RECORD_HEADER]
+    assert KEY_SETTINGS not in later and KEY_HANDLES not in later
+    shared.note_reply(SID, later)  # no statement: still held
+    assert SID in shared.held
+    shared.note_reply(SID, ConfigRecord({KEY_SETTINGS: "0" * 16}))  # another digest
+    assert SID not in shared.held

@@ -64,6 +64,7 @@ from fedcomp.flower.replica import (
     store_replica,
 )
 from fedcomp.flower.reply_format import reply_content
+from fedcomp.flower.shared_settings import SHARED_KEYS
 from fedcomp.flower.shared_settings import restore as restore_settings
 from fedcomp.keys import (
     KEY_CODEC,
@@ -98,17 +99,23 @@ def _from_wrapper(msg: Message) -> bool:
     return any(KEY_SETTINGS in c or KEY_DOWNLINK in c for c in msg.content.config_records.values())
 
 
-def _holdings_header(digest: str | None, replica: Replica | None) -> dict[str, Any]:
-    """Reply header fields saying what this client holds: the message kinds this mod
-    handles, the run settings' digest and the downlink replica (when the server uses
-    them)."""
+def _holdings_header(digest: str | None, replica: Replica | None, declare: bool) -> dict[str, Any]:
+    """Reply header fields saying what this client holds: the downlink replica (when
+    the server uses one), and, in the reply to an instruction that carried the run
+    settings in full (``declare``), their digest and the message kinds this mod
+    handles: the server needs them once, and again only after a client lost them,
+    which it answers with an error (the server then sends the settings in full)."""
     if digest is None:
         return {}
-    return {
-        KEY_HANDLES: HANDLES,
-        KEY_SETTINGS: digest,
-        **(replica_header(replica) if replica is not None else {}),
-    }
+    out = replica_header(replica) if replica is not None else {}
+    if declare:
+        out.update({KEY_HANDLES: HANDLES, KEY_SETTINGS: digest})
+    return out
+
+
+def _carries_settings(msg: Message) -> bool:
+    """Whether the instruction carries the run settings in full (not only their digest)."""
+    return any(k in c for c in msg.content.config_records.values() for k in SHARED_KEYS)
 
 
 def _precondition_error(msg: Message, reason: str) -> Message:
@@ -248,6 +255,7 @@ class CompressionMod:
         when it carries only their digest), a place for the client's state, and the
         downlink replica brought up to date. Returns the reply header fields saying
         what this client holds, or an error reply."""
+        declare = _carries_settings(msg)  # before restoring fills the config in
         try:
             digest = restore_settings(msg.content, ctxt.state)
         except ValueError as exc:
@@ -259,7 +267,7 @@ class CompressionMod:
         replica = self._take_downlink(msg, ctxt)
         if isinstance(replica, Message):  # the replica cannot be brought up to date
             return replica
-        return _holdings_header(digest, replica)
+        return _holdings_header(digest, replica, declare)
 
     def _train(
         self, msg: Message, ctxt: Context, call_next: _AppCall, holdings: dict[str, Any]
@@ -344,7 +352,8 @@ class CompressionMod:
         """Evaluate instructions: the app's handler on the restored config and the
         rebuilt model; the reply header says what this client holds."""
         reply = call_next(msg, ctxt)
-        if KEY_SETTINGS in holdings and not reply.has_error():
+        names_settings = any(KEY_SETTINGS in c for c in msg.content.config_records.values())
+        if names_settings and not reply.has_error():
             header = {KEY_STABLE_ID: stable_id_of(ctxt), **holdings}
             reply.content[RECORD_HEADER] = ConfigRecord(header)
         return reply

@@ -53,8 +53,11 @@ class SharedSettings:
             config[key] = value
 
     def note_reply(self, client: int | None, header: ConfigRecord | None) -> None:
-        """A reply header confirms the digest its client holds."""
-        if client is None or header is None:
+        """A reply header confirms the digest its client holds. The client states it
+        only in its reply to settings sent in full; a reply without it changes nothing
+        (a client that lost them answers the next digest-only instruction with an
+        error: :meth:`forget`)."""
+        if client is None or header is None or KEY_SETTINGS not in header:
             return
         if header.get(KEY_SETTINGS) == self.digest:
             self.held.add(client)
