@@ -17,6 +17,7 @@ import pytest
 from experiments.report import table_rows
 from experiments.runtime import PROJECT_ROOT
 from experiments.simulate import simulate
+from fedcomp.codecs import TensorPolicy, make_codec_from_spec
 from fedcomp.codecs.wire import HEADER_FIXED_BYTES
 from fedcomp.models import build_model
 from fedcomp.results_file import load_results
@@ -161,7 +162,9 @@ def test_multirun_writes_one_valid_results_file_per_run_and_report_matches(multi
 def _layout_bytes(spec: dict, shape: tuple[int, ...]) -> int:
     """Expected payload size of one tensor from the documented layouts and the policy."""
     n, header = math.prod(shape), 16 + 4 * len(shape)
-    if n < 256:  # the default tensor policy: small tensors travel raw
+    # the default tensor policy: raw where the codec would not save its margin
+    # (its own definition is tested in tests/test_tensor_policy.py)
+    if TensorPolicy().travels_raw(True, shape, make_codec_from_spec(spec)):
         return header + 4 * n
     if spec["name"] == "uniform":
         return header + 6 + 4 * math.ceil(n / spec["block"]) + math.ceil(n * spec["bits"] / 8)
