@@ -183,6 +183,28 @@ MAX_NESTING = 3
 _ENCLOSING: contextvars.ContextVar[int] = contextvars.ContextVar("fedcomp_enclosing", default=0)
 
 
+def parse_inner_vector(outer: type[Codec], body: memoryview | bytes, n: int) -> Payload:
+    """The inner payload of a stage that codes a float32 vector of ``n`` values
+    (``rotate``: the padded vector; ``subsample``: the kept values), parsed with its size
+    bounded by ``n``; a known codec, not the stage itself.
+
+    Raises
+    ------
+    PayloadError
+        Another shape or dtype, an unknown codec id, or the stage nested in itself.
+    """
+    inner = parse_payload(body, max_numel=n)
+    if inner.header.shape != (n,) or inner.header.dtype != torch.float32:
+        raise PayloadError(
+            f"{outer.name}: the inner payload must hold {n} float32 values, found "
+            f"shape {inner.header.shape} {inner.header.dtype}"
+        )
+    inner_cls = _BY_ID.get(inner.header.codec_id)
+    if inner_cls is None or inner_cls is outer:
+        raise PayloadError(f"{outer.name}: inner codec id {inner.header.codec_id} not allowed")
+    return inner
+
+
 def decode_inner(payload: Payload, what: str) -> torch.Tensor:
     """Decode the inner payload of a stage (``rotate``, ``entropy``), counting levels.
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from fedcomp.codecs.base import Codec, codec_class_by_id, decode_inner, header_for, register
+from fedcomp.codecs.base import Codec, decode_inner, header_for, parse_inner_vector, register
 from fedcomp.codecs.blocks import check_range
 from fedcomp.codecs.rotation import (
     MAX_BLOCK,
@@ -31,7 +31,7 @@ from fedcomp.codecs.rotation import (
     rotate,
     unrotate,
 )
-from fedcomp.codecs.wire import Payload, PayloadError, check_field, parse_payload
+from fedcomp.codecs.wire import Payload, PayloadError, check_field
 
 _PARAMS = struct.Struct("<BBHI")
 
@@ -96,16 +96,7 @@ class RotatedCodec(Codec):
             "rotation_block": block,
         }
         padded = padded_length(payload.header.numel, block)
-        inner = parse_payload(body[_PARAMS.size :], max_numel=padded)
-        if inner.header.shape != (padded,) or inner.header.dtype != torch.float32:
-            raise PayloadError(
-                f"{cls.name}: the inner payload must hold {padded} float32 values, found "
-                f"shape {inner.header.shape} {inner.header.dtype}"
-            )
-        inner_cls = codec_class_by_id(inner.header.codec_id)
-        if inner_cls is None or inner_cls is RotatedCodec:
-            raise PayloadError(f"{cls.name}: inner codec id {inner.header.codec_id} not allowed")
-        return params, inner
+        return params, parse_inner_vector(cls, body[_PARAMS.size :], padded)
 
     @classmethod
     def read_params(cls, payload: Payload) -> dict[str, int]:

@@ -28,11 +28,11 @@ from typing import Any
 
 import torch
 
-from fedcomp.codecs.base import Codec, codec_class_by_id, decode_inner, header_for, register
+from fedcomp.codecs.base import Codec, decode_inner, header_for, parse_inner_vector, register
 from fedcomp.codecs.blocks import check_finite
 from fedcomp.codecs.rotated import inner_seed
 from fedcomp.codecs.sparse import kept, random_subset
-from fedcomp.codecs.wire import Payload, PayloadError, check_field, parse_payload
+from fedcomp.codecs.wire import Payload, PayloadError, check_field
 
 _PARAMS = struct.Struct("<I")
 
@@ -89,16 +89,7 @@ class SubsampledCodec(Codec):
         numel = payload.header.numel
         if not (0 < k <= numel or k == numel == 0):
             raise PayloadError(f"{cls.name}: keeps {k} of {numel} coordinates")
-        inner = parse_payload(body[_PARAMS.size :], max_numel=k)
-        if inner.header.shape != (k,) or inner.header.dtype != torch.float32:
-            raise PayloadError(
-                f"{cls.name}: the inner payload must hold {k} float32 values, found "
-                f"shape {inner.header.shape} {inner.header.dtype}"
-            )
-        inner_cls = codec_class_by_id(inner.header.codec_id)
-        if inner_cls is None or inner_cls is SubsampledCodec:
-            raise PayloadError(f"{cls.name}: inner codec id {inner.header.codec_id} not allowed")
-        return k, inner
+        return k, parse_inner_vector(cls, body[_PARAMS.size :], k)
 
     @classmethod
     def read_params(cls, payload: Payload) -> dict[str, int]:
