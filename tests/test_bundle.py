@@ -119,18 +119,23 @@ def test_names_in_another_order_are_refused() -> None:
         unpack_bundle(pack_bundle(ITEMS), max_entries=3, names=["bias", "conv.weight", "é/ü"])
 
 
-def test_every_truncation_and_every_byte_flip_reads_back_or_is_refused() -> None:
-    """The reader's contract over the whole neighbourhood of a valid bundle: either
-    a BundleError, or views that tile the value after the table exactly."""
-    blob = pack_bundle(ITEMS)
-    rng = np.random.default_rng(0)
-    candidates = [blob[:cut] for cut in range(len(blob))]
+def _neighbours(blob: bytes, seed: int) -> list[bytes]:
+    """Every truncation of ``blob`` and, at every byte, 0, 255 and a random value."""
+    rng = np.random.default_rng(seed)
+    out = [blob[:cut] for cut in range(len(blob))]
     for i in range(len(blob)):
         for value in (0, 255, int(rng.integers(256))):
             changed = bytearray(blob)
             changed[i] = value
-            candidates.append(bytes(changed))
-    for candidate in candidates:
+            out.append(bytes(changed))
+    return out
+
+
+def test_every_truncation_and_every_byte_flip_reads_back_or_is_refused() -> None:
+    """The reader's contract over the whole neighbourhood of a valid bundle: either
+    a BundleError, or views that tile the value after the table exactly."""
+    blob = pack_bundle(ITEMS)
+    for candidate in _neighbours(blob, seed=0):
         try:
             out = unpack_bundle(candidate, max_entries=8)
         except BundleError:
@@ -182,14 +187,7 @@ def test_a_positional_table_that_does_not_fit_is_refused_before_it_is_read() -> 
 
 def test_every_truncation_and_byte_flip_of_a_positional_bundle_reads_back_or_is_refused() -> None:
     blob = pack_bundle(ITEMS, named=False)
-    rng = np.random.default_rng(1)
-    candidates = [blob[:cut] for cut in range(len(blob))]
-    for i in range(len(blob)):
-        for value in (0, 255, int(rng.integers(256))):
-            changed = bytearray(blob)
-            changed[i] = value
-            candidates.append(bytes(changed))
-    for candidate in candidates:
+    for candidate in _neighbours(blob, seed=1):
         for names in (None, list(ITEMS)):
             try:
                 out = unpack_bundle(candidate, max_entries=8, names=names)

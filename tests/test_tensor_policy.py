@@ -117,3 +117,16 @@ def test_nominal_bytes_are_the_nominal_bits_of_the_size() -> None:
     for shape in [(7,), (256,), (3, 300)]:
         n = math.prod(shape)
         assert codec.nominal_bytes(shape) == codec.nominal_bits(n) * n / 8
+
+
+@pytest.mark.parametrize("saving", [63, 64, 65])
+def test_the_margin_at_its_boundary(saving: int, monkeypatch) -> None:
+    """A codec whose nominal bytes undercut raw by exactly MARGIN_BYTES (64) is not worth
+    a payload: the tensor travels raw; by 65 it is compressed."""
+    from fedcomp.codecs.policy import MARGIN_BYTES
+
+    codec = make_codec("uniform", bits=4, block=256)
+    shape = (300,)
+    raw = 4 * math.prod(shape)
+    monkeypatch.setattr(type(codec), "nominal_bytes", lambda self, s: raw - saving)
+    assert TensorPolicy().travels_raw(True, shape, codec) == (saving <= MARGIN_BYTES)
