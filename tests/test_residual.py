@@ -61,6 +61,9 @@ def _rounding_variance(r: np.ndarray, *, bits: int, block: int) -> float:
         ({"inner": "sign"}, "not unbiased"),
         ({"inner": "topk", "fraction": 0.1}, "not unbiased"),
         ({"inner": "fp16"}, "not unbiased"),
+        ({"inner": "eden", "bits": 1, "scale": "mse", "alpha": 0.2}, "not unbiased"),
+        ({"inner": "eden", "bits": 1}, "claims no variance bound"),
+        ({"inner": {"name": "subsample", "inner": "eden", "fraction": 0.25}}, "give alpha"),
         ({"inner": "ef"}, "inner"),
         ({"inner": "residual"}, "inner"),
         ({"inner": "uniform", "alpha": 0.0}, "alpha"),
@@ -82,6 +85,28 @@ def test_default_alpha_is_the_convergence_limit_and_overrides_warn() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _residual(inner="uniform", bits=8, alpha=0.5).alpha_for(1000)  # below the limit
+
+
+def test_an_inner_codec_without_an_omega_takes_the_stated_alpha_and_tracks_delta() -> None:
+    # subsample(EDEN) claims no omega: no default alpha and no limit to warn against;
+    # the stated alpha is used on every tensor, and with it h still converges to a
+    # fixed update (E||delta - h'||^2 = (1 - 2a + a^2 (1 + omega)) ||delta - h||^2 < it
+    # for the measured omega of about 5.3 and a = 0.15).
+    inner = {"name": "subsample", "inner": "eden", "fraction": 0.25, "block": 256}
+    memory = make_codec("residual", inner=inner, alpha=0.15)
+    assert memory.alpha_limit(4096) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert memory.alpha_for(4096) == 0.15
+    delta = torch.randn(4096, generator=torch.Generator().manual_seed(2))
+    h = None
+    for t in range(30):
+        _, r_hat = memory.encode(delta, h, seed=t)
+        h = apply_residual(h, r_hat, memory.alpha_for(delta.numel()))
+    remaining = float(((delta.numpy() - h) ** 2).sum()) / float((delta**2).sum())
+    omega = 1.571 * 4 - 1
+    predicted = (1 - 2 * 0.15 + 0.15**2 * (1 + omega)) ** 30
+    assert remaining <= 2 * predicted
 
 
 def test_reconstruction_is_unbiased() -> None:

@@ -78,10 +78,19 @@ class ResidualMemory(Memory):
                 f"residual: inner must be a stateless codec, got {type(inner).__name__} "
                 "(error feedback and joint codes cannot sit inside residual)"
             )
-        if not inner.unbiased or inner.variance_factor(1) is None:
+        if not inner.unbiased:
             raise ValueError(
-                f"residual: inner codec {inner.name!r} is not unbiased; use uniform, qsgd "
-                "or randk (the reconstruction h + decode(q) must be unbiased)"
+                f"residual: inner codec {inner.name!r} is not unbiased; use uniform, qsgd, "
+                "randk, eden with scale=unbiased, or subsample of one of them (the "
+                "reconstruction h + decode(q) must be unbiased)"
+            )
+        if inner.variance_factor(1) is None and alpha is None:
+            # EDEN's Hadamard rotations claim no bound on omega, so 1/(1+omega) has no
+            # value to default to: the user states alpha (1/(1+measured omega)).
+            raise ValueError(
+                f"residual: inner codec {inner.name!r} claims no variance bound omega, so "
+                "alpha cannot default to 1/(1+omega); give alpha in (0, 1], e.g. "
+                "1/(1+omega) with omega measured (docs/residual.md)"
             )
         if alpha is not None and not (isinstance(alpha, int | float) and 0 < alpha <= 1):
             raise ValueError(f"residual: alpha must be in (0, 1], got {alpha!r}")
@@ -100,15 +109,20 @@ class ResidualMemory(Memory):
             spec["bootstrap"] = self.bootstrap
         return spec
 
-    def alpha_limit(self, numel: int) -> float:
-        """1 / (1 + omega) for a tensor of ``numel`` elements."""
-        return 1.0 / (1.0 + float(self.inner.variance_factor(numel)))
+    def alpha_limit(self, numel: int) -> float | None:
+        """1 / (1 + omega) for a tensor of ``numel`` elements; None when the inner codec
+        claims no omega."""
+        omega = self.inner.variance_factor(numel)
+        return None if omega is None else 1.0 / (1.0 + float(omega))
 
     def alpha_for(self, numel: int) -> float:
         """The alpha used for a tensor (identical on client and server)."""
         limit = self.alpha_limit(numel)
         if self.alpha is None:
+            assert limit is not None  # __init__ refuses an unbounded inner codec without alpha
             return limit
+        if limit is None:
+            return self.alpha
         if self.alpha > limit * (1 + 1e-12) and numel not in self._warned:
             self._warned.add(numel)
             warnings.warn(
