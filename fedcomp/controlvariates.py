@@ -17,6 +17,8 @@ resets both copies), and nothing is ever decoded against the wrong h_m.
 
 from __future__ import annotations
 
+import math
+
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -125,6 +127,8 @@ def encode_residual(
         return payload
 
     payloads = encode_all(memory.inner, policy, deltas, seeds, compress)
+    if math.isinf(stats[METRIC_CV_BOUND]):
+        del stats[METRIC_CV_BOUND]  # the inner codec claims no omega: no bound to state
     return payloads, pending, stats
 
 

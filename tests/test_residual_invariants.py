@@ -38,6 +38,7 @@ from fedcomp.controlvariates import (
     encode_residual,
 )
 from fedcomp.keys import METRIC_CV_BOUND, METRIC_CV_DELTA, METRIC_CV_NOISE, METRIC_CV_RESIDUAL
+from fedcomp.own_metrics import own_metrics_problem
 
 BITS, BLOCK = 4, 64
 #: float32's unit roundoff: one float32 operation's relative error.
@@ -148,6 +149,30 @@ def test_the_statistics_are_their_definitions_summed_over_the_covered_tensors() 
     )  # float32 inputs, exact
     assert abs(stats[METRIC_CV_NOISE] - noise) <= noise_tol + 1e-12 * noise
     assert stats[METRIC_CV_BOUND] == pytest.approx(bound, rel=3 * U, abs=0)
+
+
+def test_an_inner_codec_without_omega_states_no_bound_and_the_server_accepts_that() -> None:
+    """Residual around subsample(EDEN): the three measured statistics as defined, no
+    noise bound (EDEN claims no omega: a bound of inf would be refused, and any finite
+    one would be made up), and the server's metric check accepts the group without it
+    but never the bound without the group."""
+    inner = {"name": "subsample", "inner": "eden", "fraction": 0.5, "block": 256}
+    memory = make_codec("residual", inner=inner, alpha=0.2)
+    deltas, seeds, h = _round(seed=3)
+    payloads, _, stats = encode_residual(
+        memory, POLICY, deltas, seeds, h, COVERED, full=False, fp32=FP32
+    )
+    residual = noise = 0.0
+    for name in COVERED:
+        r = _f64(deltas[name]).reshape(-1) - _f64(h[name]).reshape(-1)
+        e = _f64(decode_bytes(payloads[name])).reshape(-1) - r
+        residual, noise = residual + float(r @ r), noise + float(e @ e)
+    assert METRIC_CV_BOUND not in stats
+    assert stats[METRIC_CV_RESIDUAL] == pytest.approx(residual, rel=1e-6)
+    assert stats[METRIC_CV_NOISE] == pytest.approx(noise, rel=1e-5)
+    assert own_metrics_problem(stats, 1e9) == ""
+    assert "without" in own_metrics_problem({METRIC_CV_BOUND: 1.0}, 1e9)
+    assert "without" in own_metrics_problem({METRIC_CV_RESIDUAL: 1.0, METRIC_CV_BOUND: 1.0}, 1e9)
 
 
 def test_a_full_precision_resync_sends_delta_exactly_and_sets_h_to_it() -> None:

@@ -89,7 +89,8 @@ def residual_summary(
     """Per-round residual statistics (means over decoded replies that coded a residual)."""
     if cv is None:
         return {}
-    coded = [r for r in measured if r.get("cv-noise-bound", 0) > 0]
+    # A coded residual has compression noise; a full-precision resync has none.
+    coded = [r for r in measured if r.get("cv-noise-norm2", 0) > 0]
     residual = mean([r["cv-residual-norm2"] for r in coded])
     delta = mean([r["cv-delta-norm2"] for r in coded])
     return {
@@ -97,7 +98,8 @@ def residual_summary(
         "delta_norm2_mean": delta,
         "residual_over_delta": residual / delta if residual is not None and delta else None,
         "noise_norm2_mean": mean([r["cv-noise-norm2"] for r in coded]),
-        "noise_bound_mean": mean([r["cv-noise-bound"] for r in coded]),
+        # absent when the inner codec claims no omega (EDEN)
+        "noise_bound_mean": mean([r["cv-noise-bound"] for r in coded if "cv-noise-bound" in r]),
         "client_state_bytes_mean": mean([r["state-bytes"] for r in measured if "state-bytes" in r]),
         "server_mirror_bytes": cv.store.nbytes(),
         "resync_requests": counts.resync_requests,
