@@ -18,7 +18,6 @@ resets both copies), and nothing is ever decoded against the wrong h_m.
 from __future__ import annotations
 
 import math
-
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
