@@ -124,6 +124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.skip_done and path.exists():
             continue
         settings.results_path = str(path)
+        if not settings.client_state_dir:  # as experiments.run: a resume keeps them
+            settings.client_state_dir = str(path.parent / "client_state")
         settings.progress = "off"
         try:
             results = run_inprocess(settings)

@@ -163,8 +163,19 @@ def _resume(
             f"resume={settings.resume}: the run already finished round {ckpt.round} of "
             f"num_rounds={settings.num_rounds}; raise num_rounds to continue it"
         )
+    # The clients' codec memories and replicas as of the stopped run: in its own
+    # directory's client_state (copied below into this run's, never from a path its
+    # files name), or already where this run keeps them (resumed in place).
+    old_states = Path(settings.resume) / CLIENT_STATE_SUBDIR
+    kept = (
+        copy_states
+        and bool(settings.client_state_dir)
+        and old_states.is_dir()
+        and not old_states.is_symlink()
+    )
     try:
-        strategy.load_state_dict(ckpt.strategy)  # the inner strategy's state included
+        # the inner strategy's state included
+        strategy.load_state_dict(ckpt.strategy, clients_kept_state=kept)
     except (KeyError, TypeError, ValueError, IndexError, AttributeError, RecursionError) as exc:
         raise ValueError(
             f"resume={settings.resume}: {folder / STATE_FILE} does not hold this run's "
@@ -172,13 +183,10 @@ def _resume(
         ) from None
     if not copy_states:
         return ArrayRecord({k: Array(v) for k, v in ckpt.arrays.items()})
-    # The clients' codec memories as of the stopped run (a client whose reply the
-    # checkpoint did not acknowledge drops its pending state by itself): only from the
-    # stopped run's own directory, never from a path its files name.
-    old_states = Path(settings.resume) / CLIENT_STATE_SUBDIR
-    if settings.client_state_dir and old_states.is_dir() and not old_states.is_symlink():
-        if old_states.resolve() != Path(settings.client_state_dir).resolve():
-            shutil.copytree(old_states, settings.client_state_dir, dirs_exist_ok=True)
+    # (a client whose reply the checkpoint did not acknowledge drops its pending state
+    # by itself)
+    if kept and old_states.resolve() != Path(settings.client_state_dir).resolve():
+        shutil.copytree(old_states, settings.client_state_dir, dirs_exist_ok=True)
     log.info("resuming %s after round %d of %d", settings.resume, ckpt.round, settings.num_rounds)
     return ArrayRecord({k: Array(v) for k, v in ckpt.arrays.items()})
 

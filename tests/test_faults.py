@@ -13,6 +13,7 @@ from clients.faults import KINDS, draw_fault
 from experiments.inprocess import InProcessGrid, Spy, initial_arrays
 from fedcomp.failures import RunFailed
 from fedcomp.flower.options import IdentityOptions, ServerOptions
+from fedcomp.flower.outcome import EARLY_REFUSAL_ROUNDS, fail_if_refusing_everything
 from fedcomp.flower.reply_format import metrics_of, replace_metrics
 from fedcomp.flower.strategy import CompressedStrategy
 from fedcomp.influence import Influence
@@ -65,6 +66,45 @@ def test_each_fault_kind_is_a_counted_failure_and_the_model_is_kept(kind):
     counted = "rejected_reply" if kind == "corrupt_payload" else kind
     assert record["faults"] == {counted: N}
     assert all(np.array_equal(out[k].numpy(), initial[k].numpy()) for k in initial.keys())
+
+
+def _round_record(replied: int, refused: int) -> dict:
+    return {"replied": replied, "rejected": {"bad_metrics": refused} if refused else {}}
+
+
+@pytest.mark.parametrize("rounds", [2, 3, 4])
+@pytest.mark.parametrize("pattern", range(16))
+def test_the_run_stops_exactly_when_its_first_three_rounds_refused_everything(rounds, pattern):
+    # Each round: accepted a reply or not, refused one or not (bits of the pattern).
+    flags = [((pattern >> (2 * i)) & 1, (pattern >> (2 * i + 1)) & 1) for i in range(rounds)]
+    records = [_round_record(replied=a, refused=2 * r) for a, r in [*flags, *[(0, 1)] * 4][:rounds]]
+    stops = rounds == EARLY_REFUSAL_ROUNDS and all(
+        not r["replied"] and r["rejected"] for r in records
+    )
+    if stops:
+        expected = rf"first {rounds} rounds was refused \(bad_metrics {2 * rounds}\)"
+        with pytest.raises(RunFailed, match=expected):
+            fail_if_refusing_everything(records)
+    else:
+        fail_if_refusing_everything(records)
+
+
+def test_a_run_whose_every_reply_is_refused_stops_after_three_rounds_with_its_records():
+    settings, grid, strategy = _setup(
+        {"name": "uniform", "bits": 4}, faults={"corrupt_payload": 1.0}
+    )
+    with pytest.raises(RunFailed, match="every reply of the first 3 rounds was refused"):
+        _rounds(strategy, grid, initial_arrays(settings), range(1, 9))
+    assert [r["round"] for r in strategy.rounds] == [1, 2, 3]
+    assert all(r["replied"] == 0 and sum(r["rejected"].values()) == N for r in strategy.rounds)
+
+
+def test_rounds_without_any_reply_do_not_stop_the_run_early():
+    # Clients that never answer (a deployment waiting for its devices) are not refusals:
+    # the run goes on to its end, where it fails for having learned nothing.
+    settings, grid, strategy = _setup({"name": "uniform", "bits": 4}, tamper=lambda *a: None)
+    with pytest.raises(RunFailed, match="no reply was accepted in any of the 4 round"):
+        _rounds(strategy, grid, initial_arrays(settings), range(1, 5))
 
 
 def test_faults_are_reproducible_and_follow_the_rates():

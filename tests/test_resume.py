@@ -19,7 +19,17 @@ from strategies.server_app import run_server
 N = 4
 
 
-def _run(tmp_path, name, *, rounds, codec, resume="", strategy="fedadam", client_state=False):
+def _run(
+    tmp_path,
+    name,
+    *,
+    rounds,
+    codec,
+    resume="",
+    strategy="fedadam",
+    client_state=False,
+    downlink=None,
+):
     set_task_identity()
     run_dir = tmp_path / name
     run_dir.mkdir()
@@ -35,6 +45,7 @@ def _run(tmp_path, name, *, rounds, codec, resume="", strategy="fedadam", client
             "resume": resume,
             "progress": "off",
             "client_state_dir": str(run_dir / "client_state") if client_state else "",
+            **({"downlink": downlink} if downlink else {}),
         }
     )
     results = run_server(InProcessGrid(make_client_app(paths=paths_of(settings)), N), settings)
@@ -112,6 +123,56 @@ def test_resume_with_client_states_equals_the_uninterrupted_residual_run(tmp_pat
         assert (a["accuracy"], a["loss"]) == (b["accuracy"], b["loss"])
     for name, value in full_ckpt.arrays.items():
         assert np.array_equal(value, resumed_ckpt.arrays[name]), name
+
+
+def test_resume_with_client_states_sends_what_the_uninterrupted_run_sends(tmp_path):
+    """A downlink replica and a residual memory kept in client_state_dir: the resumed run
+    sends the same bytes in every round as the uninterrupted one (no full model after
+    the resume: the server keeps what each client holds) and learns the same model."""
+    codec = {"name": "residual", "inner": "uniform", "bits": 2, "block": 64}
+
+    def run(name, rounds, resume=""):
+        return _run(
+            tmp_path,
+            name,
+            rounds=rounds,
+            codec=codec,
+            strategy="fedavg",
+            client_state=True,
+            resume=resume,
+            downlink={"name": "uniform", "bits": 2, "block": 64},
+        )
+
+    full, full_ckpt = run("full", 4)
+    run("stopped", 2)
+    resumed, resumed_ckpt = run("resumed", 4, resume=str(tmp_path / "stopped"))
+    model_bytes = sum(v.nbytes for v in full_ckpt.arrays.values())
+    for a, b in zip(full["rounds"], resumed["rounds"], strict=True):
+        assert a["accuracy"] == b["accuracy"], a["round"]
+        if a["round"] != 3:
+            assert a["total_wire_bytes"] == b["total_wire_bytes"], a["round"]
+    # Round 3, the first after the resume: the clients' contexts are new, so each is
+    # sent the run settings once more (under a kilobyte), never the model (x_hat).
+    excess = resumed["rounds"][2]["total_wire_bytes"] - full["rounds"][2]["total_wire_bytes"]
+    assert 0 <= excess < 0.01 * N * model_bytes
+    for name, value in full_ckpt.arrays.items():
+        assert np.array_equal(value, resumed_ckpt.arrays[name]), name
+
+
+def test_resume_without_client_states_sends_the_replica_in_full(tmp_path):
+    """Without the clients' states (new client processes, no state directory) the
+    first instruction after the resume carries each client's replica in full."""
+    common = {"codec": {"name": "uniform", "bits": 4}, "strategy": "fedavg"}
+    down = {"name": "uniform", "bits": 2, "block": 64}
+    full, _ = _run(tmp_path, "full", rounds=3, downlink=down, **common)
+    _run(tmp_path, "stopped", rounds=2, downlink=down, **common)
+    resumed, _ = _run(
+        tmp_path, "resumed", rounds=3, downlink=down, resume=str(tmp_path / "stopped"), **common
+    )
+    assert (
+        resumed["rounds"][2]["downlink_wire_bytes"] > 3 * full["rounds"][2]["downlink_wire_bytes"]
+    )
+    assert resumed["rounds"][2]["accuracy"] == full["rounds"][2]["accuracy"]
 
 
 # --- issue 41, finding 10: a malformed checkpoint is refused in one line -------------

@@ -84,6 +84,35 @@ def fail_if_nothing_learned(rounds: list[dict[str, Any]]) -> None:
     )
 
 
+#: A run whose first rounds each received replies and refused all of them stops after
+#: this many: a setting its clients cannot meet (a codec, a metric, the protocol) is not
+#: fixed by more rounds, and a 300-round run should not spend them finding out.
+EARLY_REFUSAL_ROUNDS = 3
+
+
+def fail_if_refusing_everything(rounds: list[dict[str, Any]]) -> None:
+    """Fail the run (RunFailed) when exactly its first EARLY_REFUSAL_ROUNDS rounds are
+    recorded and each refused at least one reply and accepted none; name the refusals.
+
+    Rounds with no reply at all (clients offline, timeouts) do not count: a deployment
+    may wait for its devices. Only the start of a run is judged; later, a resync or a
+    restarted client may recover, and the end-of-run checks judge what was learned."""
+    if len(rounds) != EARLY_REFUSAL_ROUNDS:
+        return
+    if any(r["replied"] or not sum(r.get("rejected", {}).values()) for r in rounds):
+        return
+    refused: Counter[str] = Counter()
+    for record in rounds:
+        refused.update(record["rejected"])
+    kinds = ", ".join(f"{k} {v}" for k, v in refused.most_common())
+    raise RunFailed(
+        f"every reply of the first {len(rounds)} rounds was refused ({kinds}): the run "
+        "cannot learn, so it stops now. The log names each refused reply and why; a "
+        "setting the clients cannot meet (the codec, its parameters, the protocol) is "
+        "the likely cause."
+    )
+
+
 #: The round line flags a central loss this many times the run's best so far.
 LOSS_FLAG_FACTOR = 3.0
 

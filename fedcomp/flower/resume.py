@@ -42,11 +42,21 @@ class ServerCheckpoint:
             "broadcast": replicas.server.state_dict() if replicas else None,
         }
 
-    def load_state_dict(self, state: Mapping[str, Any], replicas: ReplicaSender | None) -> None:
+    def load_state_dict(
+        self,
+        state: Mapping[str, Any],
+        replicas: ReplicaSender | None,
+        *,
+        clients_kept_state: bool = False,
+    ) -> None:
         load_inner_state_dict(self.inner, state["inner"])
         self.completed_round = self.book.load_state_dict(dict(state))
         self.clients.accepted_round = {int(k): int(v) for k, v in state["accepted_round"].items()}
         self.uplink.load_state_dict(state)
         if replicas is not None and state.get("broadcast") is not None:
             replicas.server.load_state_dict(state["broadcast"])
-            self.clients.forget_all_replicas()  # a new Flower run: Context.state is empty
+            if not clients_kept_state:
+                # A new Flower run: Context.state is empty. With the clients' states
+                # kept in files, each client still holds its replica; one that does
+                # not answers the next step with an error and is then sent x_hat.
+                self.clients.forget_all_replicas()

@@ -3,8 +3,9 @@
 :class:`RoundBook` holds the records (``results.json``'s rounds) and the initial
 model's evaluation, turns a finished round's counts into its record
 (fedcomp.flower.round_records), flags a loss that grew (fedcomp.flower.outcome), logs the
-round line and calls the ``on_round`` observer; at the end of the run it fails a run
-that learned nothing, diverged or ended no better than it started.
+round line and calls the ``on_round`` observer; it stops a run whose first rounds
+refused every reply, and at the end of the run it fails a run that learned nothing,
+diverged or ended no better than it started.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from fedcomp.flower.outcome import (
     fail_if_diverged,
     fail_if_not_learning,
     fail_if_nothing_learned,
+    fail_if_refusing_everything,
     likely_causes,
     loss_growth,
     not_following,
@@ -93,6 +95,7 @@ class RoundBook:
                 self.reporting.on_round(record)
             except Exception as exc:  # an observer (a checkpoint, a display) failing
                 log.error("round %d: the on_round observer failed", server_round, exc_info=exc)
+        fail_if_refusing_everything(self.rounds)  # after the checkpoint: results are kept
 
     def _initial(self, central: dict[str, Any]) -> None:
         self.initial_evaluation = central

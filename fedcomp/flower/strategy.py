@@ -264,10 +264,16 @@ class CompressedStrategy(Strategy):
         """Everything a resumed run needs, as plain data (ServerCheckpoint)."""
         return self.checkpoint.state_dict(self.replicas)
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(
+        self, state: Mapping[str, Any], *, clients_kept_state: bool = False
+    ) -> None:
         """Restore :meth:`state_dict`'s output into a wrapper built with the same
-        settings; :meth:`start` then continues after the completed round."""
-        self.checkpoint.load_state_dict(state, self.replicas)
+        settings; :meth:`start` then continues after the completed round.
+
+        ``clients_kept_state``: the clients still hold their downlink replicas (kept in
+        files across the restart), so steps continue from them; otherwise every
+        client is sent x_hat in full first."""
+        self.checkpoint.load_state_dict(state, self.replicas, clients_kept_state=clients_kept_state)
 
     # ------------------------------------------------------------------ evaluation
 
