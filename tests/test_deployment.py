@@ -11,6 +11,7 @@ component and for processes left behind.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -29,7 +30,7 @@ from hydra import compose, initialize_config_dir
 from experiments.deploy import CONF_DIR, deploy_schema, split_cfg
 from experiments.deployment.argv import superlink_argv, supernode_argv
 from experiments.deployment.flwr_cli import remove_connection, stage_app, write_connection
-from experiments.deployment.launcher import Launch, launch
+from experiments.deployment.launcher import Launch, launch, salvaged_results
 from experiments.deployment.processes import DeploymentError, child_env, free_port, tail
 from experiments.deployment.settings import (
     AuthSettings,
@@ -218,6 +219,19 @@ def test_node_specs_give_each_node_its_partition_and_one_gpu() -> None:
         node_specs(replace(gpu, supernodes=SuperNodeSettings(gpus=4)), 4, ["0", "1"])
     # Edge: no local nodes; the devices connect themselves.
     assert node_specs(DeploymentSettings(supernodes=SuperNodeSettings(count=0)), 5, []) == []
+
+
+def test_a_failed_runs_salvaged_results_are_read_for_its_socket_bytes(tmp_path: Path) -> None:
+    # A run that failed (the ServerApp wrote its rounds and its failure) gets the socket
+    # section all the same; anything else is not a salvaged file: nothing to add it to.
+    path = tmp_path / "results.json"
+    salvaged = {"rounds": [{"round": 1}], "failure": {"kind": "RunFailed", "message": "m"}}
+    path.write_text(json.dumps(salvaged))
+    assert salvaged_results(path) == salvaged
+    for text in ('{"rounds": []}', "[1]", "not json", "{"):
+        path.write_text(text)
+        assert salvaged_results(path) == {}
+    assert salvaged_results(tmp_path / "missing.json") == {}
 
 
 def test_node_config_argument_is_flowers_key_value_syntax() -> None:

@@ -13,6 +13,7 @@ and stops every process it started, also on an error, SIGTERM or Ctrl-C. The pie
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -207,6 +208,7 @@ def launch(
     t0 = time.monotonic()
     proxy: CountingProxy | None = None
     results: dict[str, Any] = {}
+    failure: DeploymentError | None = None
     with signals_raise():
         try:
             argv = superlink_argv(deployment, port)
@@ -248,7 +250,12 @@ def launch(
             )
             st.status = status
             st.timings["run_s"] = time.monotonic() - t_run
-            results = collect_results(st.run_id, status, details, results_path, deploy_dir)
+            try:
+                results = collect_results(st.run_id, status, details, results_path, deploy_dir)
+            except DeploymentError as exc:
+                # The ServerApp wrote what it had, with its failure: the bytes its
+                # connections carried are measured all the same (below), then it raises.
+                failure, results = exc, salvaged_results(results_path)
         finally:
             with signals_ignored():
                 st.survivors = stop_components(st.components, deployment.stop_timeout)
@@ -264,15 +271,27 @@ def launch(
                 st.peak_rss_mb = own_peak_rss_mb()
             if st.survivors:
                 log.error("processes still alive after SIGKILL: %s", st.survivors)
-    if proxy is not None:
+    if proxy is not None and results:
         results["socket"] = socket_section(deploy_dir / "socket.jsonl", len(specs))
         # A deployment runs its own recipe only: its fp32 reference at the socket is modelled.
         try:
             results["socket"].update(fp32_reference_fields(results))
-        except (OSError, ValueError) as exc:  # the measurement stands without it
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # the measurement stands
             log.warning("no fp32 reference at the socket (framing model: %s)", exc)
-        write_results(results_path, results)
+        write_results(results_path, results, salvage=failure is not None)
+    if failure is not None:
+        raise failure
     return results
+
+
+def salvaged_results(results_path: Path) -> dict[str, Any]:
+    """A failed run's results.json as its ServerApp salvaged it (the rounds it ran and
+    its ``failure``), not validated; {} when there is none."""
+    try:
+        data = json.loads(results_path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) and "failure" in data else {}
 
 
 def start_supernode(
