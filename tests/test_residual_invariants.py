@@ -37,8 +37,10 @@ from fedcomp.controlvariates import (
     covered_tensors,
     encode_residual,
 )
+from fedcomp.flower.round_records import residual_summary
 from fedcomp.keys import METRIC_CV_BOUND, METRIC_CV_DELTA, METRIC_CV_NOISE, METRIC_CV_RESIDUAL
 from fedcomp.own_metrics import own_metrics_problem
+from fedcomp.results_file import RoundCounts
 
 BITS, BLOCK = 4, 64
 #: float32's unit roundoff: one float32 operation's relative error.
@@ -173,6 +175,32 @@ def test_an_inner_codec_without_omega_states_no_bound_and_the_server_accepts_tha
     assert own_metrics_problem(stats, 1e9) == ""
     assert "without" in own_metrics_problem({METRIC_CV_BOUND: 1.0}, 1e9)
     assert "without" in own_metrics_problem({METRIC_CV_RESIDUAL: 1.0, METRIC_CV_BOUND: 1.0}, 1e9)
+
+
+def test_the_round_summary_averages_the_coded_replies_with_or_without_a_bound() -> None:
+    """residual_summary: means over the replies that coded a residual (compression
+    noise > 0), not over resyncs (noise 0); the bound's mean over the replies that state
+    one, None when none does (an inner codec without omega)."""
+
+    class _Store:
+        def nbytes(self) -> int:
+            return 0
+
+    class _CV:
+        store = _Store()
+
+    coded = [
+        {"cv-residual-norm2": 1.0, "cv-delta-norm2": 4.0, "cv-noise-norm2": 0.5},
+        {"cv-residual-norm2": 3.0, "cv-delta-norm2": 4.0, "cv-noise-norm2": 1.5},
+    ]
+    resync = {"cv-residual-norm2": 9.0, "cv-delta-norm2": 9.0, "cv-noise-norm2": 0.0}
+    summary = residual_summary(_CV(), RoundCounts(), [*coded, resync])
+    assert summary["residual_over_delta"] == pytest.approx((1.0 + 3.0) / (4.0 + 4.0))
+    assert summary["noise_norm2_mean"] == pytest.approx(1.0)
+    assert summary["noise_bound_mean"] is None
+    bounded = [{**r, "cv-noise-bound": 2.0 * r["cv-noise-norm2"]} for r in coded]
+    summary = residual_summary(_CV(), RoundCounts(), [*bounded, {**resync, "cv-noise-bound": 0.0}])
+    assert summary["noise_bound_mean"] == pytest.approx(2.0)
 
 
 def test_a_full_precision_resync_sends_delta_exactly_and_sets_h_to_it() -> None:
