@@ -31,7 +31,15 @@ from experiments.deploy import CONF_DIR, deploy_schema, split_cfg
 from experiments.deployment.argv import superlink_argv, supernode_argv
 from experiments.deployment.flwr_cli import remove_connection, stage_app, write_connection
 from experiments.deployment.launcher import Launch, launch, salvaged_results
-from experiments.deployment.processes import DeploymentError, child_env, free_port, tail
+from experiments.deployment.processes import (
+    DEFAULT_EPHEMERAL,
+    LISTEN_SPAN,
+    DeploymentError,
+    child_env,
+    ephemeral_range,
+    free_port,
+    tail,
+)
 from experiments.deployment.settings import (
     AuthSettings,
     DeploymentSettings,
@@ -232,6 +240,29 @@ def test_a_failed_runs_salvaged_results_are_read_for_its_socket_bytes(tmp_path: 
         path.write_text(text)
         assert salvaged_results(path) == {}
     assert salvaged_results(tmp_path / "missing.json") == {}
+
+
+EPHEMERAL_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def test_free_ports_are_drawn_below_the_ephemeral_range_and_are_free(tmp_path: Path) -> None:
+    # Outgoing connections take local ports from the ephemeral range: a listening port
+    # picked there can be taken before its server binds it (a 20-node run did).
+    low, high = ephemeral_range()
+    assert (low, high) == tuple(int(v) for v in open(EPHEMERAL_FILE).read().split())
+    ports = {free_port("127.0.0.1") for _ in range(20)}
+    assert all(max(1025, low - LISTEN_SPAN) <= p < low for p in ports)
+    taken = min(ports)
+    with socket.socket() as held:  # a port something listens on is never returned
+        held.bind(("127.0.0.1", taken))
+        held.listen()
+        draws = iter([taken, taken, max(ports)])
+        assert free_port("127.0.0.1", draw=lambda a, b: next(draws)) == max(ports)
+        fallback = free_port("127.0.0.1", tries=3, draw=lambda a, b: taken)
+        assert fallback != taken and low <= fallback <= high  # the OS's pick
+    for text in ("", "a b", "70000 80000", "5000 100"):
+        (tmp_path / "range").write_text(text)
+        assert ephemeral_range(str(tmp_path / "range")) == DEFAULT_EPHEMERAL
 
 
 def test_node_config_argument_is_flowers_key_value_syntax() -> None:

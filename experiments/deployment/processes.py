@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import re
 import shutil
 import signal
@@ -19,7 +20,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,9 +42,44 @@ class Interrupted(BaseException):
     """SIGTERM or SIGHUP: unwinds like Ctrl-C so the ``finally`` blocks stop everything."""
 
 
-def free_port(host: str) -> int:
-    """A port nothing listens on right now (bind to port 0; the OS picks)."""
-    with socket.socket(_family(host), socket.SOCK_STREAM) as sock:
+#: Linux's ephemeral range when /proc does not say (outgoing connections' local ports).
+DEFAULT_EPHEMERAL = (32768, 60999)
+#: How many ports below the ephemeral range free_port draws from.
+LISTEN_SPAN = 12000
+
+
+def ephemeral_range(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tuple[int, int]:
+    """The kernel's range of local ports for outgoing connections."""
+    try:
+        low, high = (int(v) for v in Path(path).read_text().split())
+    except (OSError, ValueError):
+        return DEFAULT_EPHEMERAL
+    return (low, high) if 1024 < low <= high <= 65535 else DEFAULT_EPHEMERAL
+
+
+def free_port(host: str, tries: int = 64, draw: Callable[[int, int], int] | None = None) -> int:
+    """A port nothing listens on right now, drawn below the ephemeral range.
+
+    A port the OS hands out for binding port 0 comes from the ephemeral range, where
+    every outgoing connection also takes its local port: with 20 SuperNodes connecting
+    while the launcher starts them, one of those connections took a port picked for a
+    node's own API before the node bound it ("address already in use"). Below the
+    range only listeners compete, and this checks for them. The draw uses the OS's
+    randomness: it picks ports, it is no part of a run's results (``draw(start, stop)``
+    replaces it in tests).
+    """
+    low, _ = ephemeral_range()
+    start = max(1025, low - LISTEN_SPAN)
+    draw = draw or random.SystemRandom().randrange
+    for _ in range(tries):
+        port = draw(start, low)
+        with socket.socket(_family(host), socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(_family(host), socket.SOCK_STREAM) as sock:  # all taken: any port
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
 
