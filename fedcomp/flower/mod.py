@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -94,9 +94,15 @@ def _as_numpy(record: ArrayRecord) -> dict[str, np.ndarray]:
     return {k: np.asarray(v.numpy()) for k, v in record.items()}
 
 
+def _names_any(msg: Message, keys: Iterable[str]) -> bool:
+    """Whether any config record of the message holds one of ``keys``."""
+    keys = tuple(keys)
+    return any(k in c for c in msg.content.config_records.values() for k in keys)
+
+
 def _from_wrapper(msg: Message) -> bool:
     """True when the instruction carries fields of fedcomp's strategy wrapper."""
-    return any(KEY_SETTINGS in c or KEY_DOWNLINK in c for c in msg.content.config_records.values())
+    return _names_any(msg, (KEY_SETTINGS, KEY_DOWNLINK))
 
 
 def _holdings_header(digest: str | None, replica: Replica | None, declare: bool) -> dict[str, Any]:
@@ -115,7 +121,7 @@ def _holdings_header(digest: str | None, replica: Replica | None, declare: bool)
 
 def _carries_settings(msg: Message) -> bool:
     """Whether the instruction carries the run settings in full (not only their digest)."""
-    return any(k in c for c in msg.content.config_records.values() for k in SHARED_KEYS)
+    return _names_any(msg, SHARED_KEYS)
 
 
 def _precondition_error(msg: Message, reason: str) -> Message:
@@ -352,8 +358,7 @@ class CompressionMod:
         """Evaluate instructions: the app's handler on the restored config and the
         rebuilt model; the reply header says what this client holds."""
         reply = call_next(msg, ctxt)
-        names_settings = any(KEY_SETTINGS in c for c in msg.content.config_records.values())
-        if names_settings and not reply.has_error():
+        if _names_any(msg, (KEY_SETTINGS,)) and not reply.has_error():
             header = {KEY_STABLE_ID: stable_id_of(ctxt), **holdings}
             reply.content[RECORD_HEADER] = ConfigRecord(header)
         return reply
