@@ -22,8 +22,9 @@ from flwr.app import Array, ArrayRecord, Context, Error, Message, MessageType, R
 from flwr.clientapp.typing import ClientAppCallable
 from flwr.common.constant import ErrorCode
 
+from fedcomp.bundle import repack_like, unpack_bundle
 from fedcomp.flower.identity import stable_id_of
-from fedcomp.flower.reply_format import payloads_of, replace_payloads
+from fedcomp.flower.reply_format import MAX_TENSORS
 from fedcomp.flower.shared_settings import held_task
 from fedcomp.injected import KINDS, draw_fault
 from fedcomp.keys import (
@@ -55,14 +56,19 @@ def _fault_of(msg: Message, ctxt: Context):
 
 
 def _truncated(reply: Message, msg: Message, seed: int) -> Message:
-    """The reply with one payload cut short (detectable: sizes no longer match)."""
-    payloads = {n: bytes(p) for n, p in payloads_of(reply.content[RECORD_HEADER]).items()}
-    names = list(payloads)
+    """The reply with one payload cut short (detectable: sizes no longer match), as
+    its bundle stores it (a compact entry, fedcomp.compact, or a full payload)."""
+    header = reply.content[RECORD_HEADER]
+    blob = header[KEY_PAYLOADS]
+    entries = {
+        n: bytes(e) for n, e in unpack_bundle(blob, max_entries=MAX_TENSORS, expand=False).items()
+    }
+    names = list(entries)
     rng = np.random.default_rng(seed)
     name = names[int(rng.integers(len(names)))]
-    data = payloads[name]
-    payloads[name] = data[: int(rng.integers(len(data)))] if data else b""
-    replace_payloads(reply.content, payloads)
+    data = entries[name]
+    entries[name] = data[: int(rng.integers(len(data)))] if data else b""
+    header[KEY_PAYLOADS] = repack_like(blob, entries, stored=True)
     return Message(reply.content, reply_to=msg)
 
 

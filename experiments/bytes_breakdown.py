@@ -21,15 +21,17 @@ import json
 import math
 import struct
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from flwr.app import ConfigRecord, Message, MessageType
 
-from fedcomp.bundle import unpack_bundle
+from fedcomp.bundle import is_compact, unpack_bundle
 from fedcomp.codecs import codec_class_by_id, parse_payload
 from fedcomp.codecs.wire import HEADER_FIXED_BYTES
+from fedcomp.compact import MAX_CODEC_ID
 from fedcomp.flower.accounting import wire_and_objects
 from fedcomp.flower.reply_format import METRIC_PREFIX
 from fedcomp.keys import KEY_DOWNLINK_PAYLOADS, KEY_DOWNLINK_STEPS, KEY_PAYLOADS, RECORD_HEADER
@@ -41,16 +43,22 @@ def config_entry_bytes(key: str, value: Any) -> int:
     return wire_and_objects(ConfigRecord({key: value}))[0] - empty
 
 
-def tensor_parts(payload: bytes) -> dict[str, int]:
-    """One tensor's payload, taken apart: header, then the codec's own parts."""
-    parsed = parse_payload(payload)
-    header = HEADER_FIXED_BYTES + 4 * len(parsed.header.shape)
-    body = len(payload) - header
-    codec = codec_class_by_id(parsed.header.codec_id)
+def split_entry(entry: bytes, shape: tuple[int, ...], compact: bool) -> tuple[int, int, bytes]:
+    """A bundle entry's codec id, header bytes and body: a compact entry's header is its
+    first byte (fedcomp.compact), a full payload's its fixed part and shape."""
+    if compact:
+        return entry[0] & MAX_CODEC_ID, 1, entry[1:]
+    parsed = parse_payload(entry)
+    return parsed.header.codec_id, HEADER_FIXED_BYTES + 4 * len(shape), bytes(parsed.body)
+
+
+def tensor_parts(codec_id: int, header: int, body_bytes: bytes, numel: int) -> dict[str, int]:
+    """One tensor's entry, taken apart: header, then the codec's own parts."""
+    body = len(body_bytes)
+    codec = codec_class_by_id(codec_id)
     parts = {"payload header": header}
     if codec is not None and codec.name == "eden":
-        bits, _, _, _, block = struct.unpack_from("<BBBBI", parsed.body, 0)
-        numel = parsed.header.numel
+        bits, _, _, _, block = struct.unpack_from("<BBBBI", body_bytes, 0)
         padded = _eden_padded(numel, block)
         codes = math.ceil(padded * bits / 8)
         padding = (padded - numel) * bits // 8
@@ -77,10 +85,11 @@ def _eden_padded(numel: int, block: int) -> int:
     return padded_length(numel, block)
 
 
-def breakdown(msg: Message, names: Sequence[str]) -> list[tuple[str, str, int]]:
+def breakdown(msg: Message, model: Mapping[str, np.ndarray]) -> list[tuple[str, str, int]]:
     """(group, item, bytes) rows that add up to the message's wire bytes: a compressed
     train reply (its header record) or a model-free train instruction (its config);
-    ``names``: the model's tensors, in order (a positional bundle carries none)."""
+    ``model``: the model's tensors, in order (a positional bundle carries no names, a
+    compact one no shapes)."""
     wire, _ = wire_and_objects(msg)
     record, blob_key = _fedcomp_record(msg)
     rows: list[tuple[str, str, int]] = []
@@ -94,15 +103,18 @@ def breakdown(msg: Message, names: Sequence[str]) -> list[tuple[str, str, int]]:
         entries += size
     blob = record[blob_key]
     bundle_entry = config_entry_bytes(blob_key, blob)
-    payloads = unpack_bundle(blob, max_entries=1 << 16, names=_entry_names(msg, blob_key, names))
+    names = _entry_names(msg, blob_key, list(model))
+    payloads = unpack_bundle(blob, max_entries=1 << 16, names=names, expand=False)
     table = len(blob) - sum(len(p) for p in payloads.values())
     rows.append(("payload bundle", "bundle table (magic, count, lengths)", table))
     rows.append(
         ("payload bundle", "its ConfigRecord entry (key, length)", bundle_entry - len(blob))
     )
     for name, payload in payloads.items():
-        numel = parse_payload(bytes(payload)).header.numel
-        for part, size in tensor_parts(bytes(payload)).items():
+        shape = np.shape(model[name.rpartition("/")[2]])
+        numel = math.prod(shape)
+        codec_id, header, body = split_entry(bytes(payload), shape, is_compact(blob))
+        for part, size in tensor_parts(codec_id, header, body, numel).items():
             rows.append((f"tensor {name} ({numel})", part, size))
     envelope = wire - entries - bundle_entry
     rows.insert(0, ("Flower envelope", "Message, RecordDict, ConfigRecord objects", envelope))
@@ -128,7 +140,7 @@ def _fedcomp_record(msg: Message) -> tuple[ConfigRecord, str]:
 def capture(preset: str, overrides: Sequence[str]) -> tuple[Message, Message, list[str]]:
     """One client's compressed train reply of round 2 of the preset's first run, the
     train instruction it answers (the run settings already held: what every later round
-    sends; model-free under a compressed downlink) and the model's tensor names."""
+    sends; model-free under a compressed downlink) and the model's tensors."""
     from clients.client_app import make_client_app
     from clients.paths import paths_of
     from experiments.inprocess import InProcessGrid, set_task_identity
@@ -148,8 +160,8 @@ def capture(preset: str, overrides: Sequence[str]) -> tuple[Message, Message, li
         for m in grid.sent
         if m.metadata.dst_node_id == node and m.metadata.message_type == MessageType.TRAIN
     ]
-    names = list(build_model(settings.model, settings.dataset.name, settings.seed).state_dict())
-    return reply, sent[-1], names
+    model = build_model(settings.model, settings.dataset.name, settings.seed).state_dict()
+    return reply, sent[-1], {k: v.numpy() for k, v in model.items()}
 
 
 def _is_train(msg: Message) -> bool:
@@ -180,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--recipe", default="eden1")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
-    reply, instruction, names = capture(args.preset, [f"recipe={args.recipe}", *args.overrides])
+    reply, instruction, model = capture(args.preset, [f"recipe={args.recipe}", *args.overrides])
     parts = []
     for title, msg in (("train reply", reply), ("train instruction", instruction)):
         total = wire_and_objects(msg)[0]
@@ -189,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ):
             parts.append(f"## {title}\n\n{total:,} wire bytes: the full model (no downlink codec)")
             continue
-        rows = breakdown(msg, names)
+        rows = breakdown(msg, model)
         assert sum(r[2] for r in rows) == total
         parts.append(f"## {title}\n\n" + table(rows, total, title.split()[-1]))
     text = "\n\n".join(parts)

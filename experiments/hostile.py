@@ -28,8 +28,9 @@ from experiments.memory import address_space_cap, peak_rss, reset_peak_rss
 from fedcomp.bundle import is_positional, pack_bundle
 from fedcomp.failures import Failure
 from fedcomp.flower.options import IdentityOptions, ServerOptions
-from fedcomp.flower.reply_format import metrics_of, payloads_of, replace_metrics
+from fedcomp.flower.reply_format import metrics_of, replace_metrics
 from fedcomp.flower.strategy import CompressedStrategy
+from fedcomp.flower.validation import sent_payloads
 from fedcomp.handoff_options import Aggregation
 from fedcomp.keys import (
     KEY_CV_VERSION,
@@ -38,6 +39,7 @@ from fedcomp.keys import (
     KEY_PROTOCOL,
     KEY_RESYNC,
     KEY_ROUND,
+    KEY_RUN_SEED,
     KEY_STABLE_ID,
     RECORD_HEADER,
 )
@@ -57,17 +59,26 @@ def _replace(reply: Message, instruction: Message, **records) -> Message:
     return Message(content, reply_to=instruction)
 
 
+def _full_payloads(reply: Message, instruction: Message) -> dict[str, bytes]:
+    """The reply's payloads in full, read as the server reads them (the instruction
+    carries the model: the hostile rounds send it in full, and the run seed)."""
+    ((arrays,),) = [list(instruction.content.array_records.values())]
+    model = {k: v.numpy() for k, v in arrays.items()}
+    config = next(c for c in instruction.content.config_records.values() if KEY_RUN_SEED in c)
+    header = reply.content.config_records[RECORD_HEADER]
+    return {n: bytes(p) for n, p in sent_payloads(header, model, config[KEY_RUN_SEED]).items()}
+
+
 def _map_payloads(reply: Message, instruction: Message, change) -> Message:
-    payloads = payloads_of(reply.content.config_records[RECORD_HEADER])
+    """The reply with ``change`` applied to each payload in full, sent as a positional
+    bundle of full payloads (protocol 3's form, which a client may still send): the
+    changes reach the header fields a compact entry leaves to the server."""
     changed = {}
-    for name, payload in payloads.items():
+    for name, payload in _full_payloads(reply, instruction).items():
         buf = bytearray(payload)
         change(name, buf)
         changed[name] = bytes(buf)
-    blob = reply.content.config_records[RECORD_HEADER][KEY_PAYLOADS]
-    return _header(
-        reply, instruction, **{KEY_PAYLOADS: pack_bundle(changed, named=not is_positional(blob))}
-    )
+    return _header(reply, instruction, **{KEY_PAYLOADS: pack_bundle(changed, named=False)})
 
 
 def _header(reply: Message, instruction: Message, **fields) -> Message:
@@ -137,7 +148,7 @@ def future_protocol(pid, reply, instruction):
 
 def renamed_tensor(pid, reply, instruction):
     """A reply whose payload bundle names a tensor the model does not have."""
-    payloads = payloads_of(reply.content.config_records[RECORD_HEADER])
+    payloads = _full_payloads(reply, instruction)
     names = list(payloads.keys())
     renamed = {("evil." + n if i == 0 else n): payloads[n] for i, n in enumerate(names)}
     return _header(reply, instruction, **{KEY_PAYLOADS: pack_bundle(renamed)})

@@ -39,6 +39,8 @@ from fedcomp.codecs import (
 )
 from fedcomp.codecs.dense import RawCodec
 from fedcomp.codecs.entropy import max_inner_size, work_size
+from fedcomp.codecs.wire import PayloadHeader
+from fedcomp.compact import HeaderRule
 from fedcomp.rng import derive_seed
 from fedcomp.rules import fail
 
@@ -375,6 +377,24 @@ def encode_step(
         seed = derive_seed(run_seed, SEED_PURPOSE, version, name)
         payloads[name] = bytes(codec.encode(diff, seed=seed))
     return payloads
+
+
+def step_headers(held: Mapping[str, np.ndarray], run_seed: int) -> HeaderRule:
+    """The client's rule for the compact entries of a step bundle (fedcomp.compact):
+    entry "<target>/<tensor>" was :func:`encode_step`'s payload for that tensor, raw in
+    the tensor's dtype or the codec's float32 difference, seeded from the target."""
+
+    def rule(name: str, codec_id: int, seeded: bool) -> PayloadHeader:
+        target, _, tensor = name.partition("/")
+        current = held.get(tensor)
+        if current is None or not target.isdigit():
+            raise ValueError(f"entry {name!r:.80} is not '<target>/<tensor>' of the model")
+        raw = codec_id == _RAW.codec_id
+        dtype = _torch_dtype(current.dtype) if raw else torch.float32
+        seed = derive_seed(run_seed, SEED_PURPOSE, int(target), tensor) if seeded else 0
+        return PayloadHeader(codec_id, dtype, tuple(current.shape), seed)
+
+    return rule
 
 
 # --- server half ----------------------------------------------------------------------

@@ -6,13 +6,15 @@ instead, as Flower's DP mods and wrappers do.
 """
 
 #: Version of the fedcomp message protocol (header fields and record layout).
+#: 4: compact payload entries (fedcomp.compact): a payload's header, which its reader
+#: knows, is one byte in both directions;
 #: 3: fewer fixed bytes (the downlink codec travels with the run settings, the step
 #: list has no per-step checksum and float32 scales, no codec-bytes metric, positional
 #: payload bundles, the settings' digest and handles only in replies to settings sent
 #: in full);
 #: 2: compact messages, every payload of a message in one bundle (fedcomp.bundle)
 #: inside its header or config record; 1: one Array per payload.
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 # --- Instruction (server -> client) config keys -----------------------------------
 #: JSON-encoded codec spec, e.g. ``{"name": "fp32"}``. Its presence tells the mod

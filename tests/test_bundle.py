@@ -97,7 +97,7 @@ def test_the_name_length_bound_at_its_value_and_one_past() -> None:
     [
         (b"FB\x01\x00\x00", "truncated bundle: 5 bytes"),
         (b"XX" + pack_bundle(ITEMS)[2:], "not a payload bundle"),
-        (b"FB\x03" + pack_bundle(ITEMS)[3:], "bundle format version 3, this reads 1 and 2"),
+        (b"FB\x04" + pack_bundle(ITEMS)[3:], "bundle format version 4, this reads 1, 2 and 3"),
         (_by_hand({"a": b"1", "b": b"2"}).replace(b"\x01\x00b", b"\x01\x00a"), "appears twice"),
         (_by_hand({"ab": b""}).replace(b"ab", b"\xff\xfe"), "not UTF-8"),
     ],

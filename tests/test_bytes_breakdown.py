@@ -8,8 +8,7 @@ import math
 import pytest
 
 from experiments.bytes_breakdown import breakdown, capture
-from fedcomp.bundle import unpack_bundle
-from fedcomp.codecs import parse_payload
+from fedcomp.bundle import is_compact, unpack_bundle
 from fedcomp.flower.accounting import wire_and_objects
 from fedcomp.keys import KEY_DOWNLINK_PAYLOADS, KEY_PAYLOADS, RECORD_HEADER
 
@@ -20,9 +19,13 @@ def messages():
 
 
 def _payloads(msg):
+    """The bundle's entries as the message carries them (compact: fedcomp.compact)."""
     if RECORD_HEADER in msg.content.config_records:
-        return unpack_bundle(msg.content[RECORD_HEADER][KEY_PAYLOADS], max_entries=64)
-    return unpack_bundle(msg.content["config"][KEY_DOWNLINK_PAYLOADS], max_entries=64)
+        blob = msg.content[RECORD_HEADER][KEY_PAYLOADS]
+    else:
+        blob = msg.content["config"][KEY_DOWNLINK_PAYLOADS]
+    assert is_compact(blob)
+    return unpack_bundle(blob, max_entries=64, expand=False)
 
 
 def _name(msg, position: str, names: list[str]) -> str:
@@ -36,16 +39,18 @@ def _name(msg, position: str, names: list[str]) -> str:
 def test_the_parts_add_up_to_the_wire_bytes_and_each_tensor_to_its_payload(
     messages, which
 ) -> None:
-    msg, names = messages[which], messages[2]
-    rows = breakdown(msg, names)
+    msg, model = messages[which], messages[2]
+    names = list(model)
+    rows = breakdown(msg, model)
     assert sum(size for _, _, size in rows) == wire_and_objects(msg)[0]
     assert all(size >= 0 for _, _, size in rows)
     payloads = _payloads(msg)
     for position, payload in payloads.items():
         name = _name(msg, position, names)
-        numel = parse_payload(bytes(payload)).header.numel
+        numel = model[name.rpartition("/")[2]].size
         parts = {item: size for group, item, size in rows if group == f"tensor {name} ({numel})"}
         assert sum(parts.values()) == len(payload)
+        assert parts["payload header"] == 1  # the codec id and seed flag
         if "codes" in parts:  # 1-bit EDEN: one bit a coordinate, padding apart
             assert parts["codes"] == math.ceil(numel / 8) or parts["codes"] == numel // 8
     groups = {group for group, _, _ in rows}

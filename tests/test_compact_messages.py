@@ -25,8 +25,7 @@ from fedcomp.downlink import BroadcastServer, Replica, parse_downlink
 from fedcomp.failures import Failure
 from fedcomp.flower.mod import CompressionMod
 from fedcomp.flower.replica import ReplicaSender, rebuild_model
-from fedcomp.flower.reply_format import payloads_of
-from fedcomp.flower.validation import ReplyError, check_reply
+from fedcomp.flower.validation import ReplyError, check_reply, sent_payloads, uplink_headers
 from fedcomp.keys import (
     DOWNLINK_STEPS,
     KEY_CODEC,
@@ -89,10 +88,11 @@ def test_a_train_reply_through_the_mod_is_four_objects_for_any_tensor_count(tens
     assert not reply.has_error(), reply.error.reason if reply.has_error() else ""
     assert _objects(reply) == 3
     header = reply.content[RECORD_HEADER]
-    assert len(payloads_of(header, list(model))) == tensors
+    assert len(sent_payloads(header, model, 7)) == tensors
     assert KEY_CODEC not in header  # the server knows the spec it sent: not echoed back
     # and the server accepts it: the bundle is exactly the model's tensors in order
-    checked = check_reply(reply.content, SID, ROUND, list(model))
+    rule = uplink_headers(model, 7, ROUND, SID)
+    checked = check_reply(reply.content, SID, ROUND, list(model), headers=rule)
     assert checked.weight == 10.0 and list(checked.payloads) == list(model)
     assert checked.metrics[KEY_NUM_EXAMPLES] == 10  # the app's metric, next to fedcomp's
     assert all(k == KEY_NUM_EXAMPLES or k.startswith("fedcomp.") for k in checked.metrics)
@@ -112,6 +112,7 @@ def test_a_model_free_downlink_instruction_is_three_objects(tensors) -> None:
     sender = ReplicaSender(server)
     assert sender.attach(content, SID, model_free=True) == DOWNLINK_STEPS
     content["config"][KEY_DOWNLINK_CODEC] = sender.codec_json  # as the mod restores it
+    content["config"][KEY_RUN_SEED] = 7  # every instruction carries it (the steps' seeds)
     msg = Message(content, dst_node_id=1, message_type=MessageType.TRAIN)
     assert _objects(msg) == 3
     new = rebuild_model(msg, replica)

@@ -112,17 +112,19 @@ def test_the_quickstart_example_runs_compressed_under_a_simulation_superlink(
 #: A mod outside fedcomp's that truncates partition 0's first payload after encoding:
 #: the malformed reply then crosses Flower's real transport (gRPC, the SuperLink).
 _TAMPER = """
-from fedcomp.flower.reply_format import payloads_of, replace_payloads
+from fedcomp.bundle import repack_like, unpack_bundle
 
 
 def _truncate_partition_0(msg, context, call_next):
     reply = call_next(msg, context)
     header = None if reply.has_error() else reply.content.config_records.get("fedcomp.header")
     if int(context.node_config["partition-id"]) == 0 and header and "fedcomp.payloads" in header:
-        payloads = {n: bytes(p) for n, p in payloads_of(header).items()}
-        name = next(iter(payloads))
-        payloads[name] = payloads[name][:-7]
-        replace_payloads(reply.content, payloads)
+        blob = header["fedcomp.payloads"]
+        stored = unpack_bundle(blob, max_entries=1 << 16, expand=False)
+        entries = {n: bytes(e) for n, e in stored.items()}
+        name = next(iter(entries))
+        entries[name] = entries[name][:-7]
+        header["fedcomp.payloads"] = repack_like(blob, entries, stored=True)
     return reply
 
 

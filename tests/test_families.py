@@ -21,6 +21,7 @@ from fedcomp.flower.families.base import Instruction
 from fedcomp.flower.memory_state import MemoryState
 from fedcomp.flower.reply_format import payloads_of, reply_content
 from fedcomp.flower.round_state import RoundState
+from fedcomp.flower.validation import uplink_headers
 from fedcomp.keys import RECORD_HEADER
 from fedcomp.onebit import OneBitCode
 
@@ -104,9 +105,12 @@ def test_each_familys_server_half_decodes_what_its_client_half_encoded(name: str
     )
     content = reply_content(encoded.header, encoded.payloads, MetricRecord())
     header = content[RECORD_HEADER]
-    payloads = payloads_of(header, list(deltas))
     state = RoundState(number=instruction.round, t_start=0.0)
     state.global_arrays = {n: np.zeros(tuple(d.shape), np.float32) for n, d in deltas.items()}
+    rule = uplink_headers(
+        state.global_arrays, instruction.run_seed, instruction.round, instruction.stable_id
+    )
+    payloads = payloads_of(header, list(deltas), rule)
     half = family.server(instruction.policy, instruction.run_seed, None)
     update = half.decode(payloads, header, instruction.stable_id, state)
     assert set(update.deltas) == set(deltas)

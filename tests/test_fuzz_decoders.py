@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from experiments.fuzzing import FLOATS, mutate
 from experiments.memory import address_space_cap
 from fedcomp import compiled
-from fedcomp.bundle import BundleError, is_positional, pack_bundle, unpack_bundle
+from fedcomp.bundle import BundleError, is_compact, is_positional, pack_bundle, unpack_bundle
 from fedcomp.codecs import (
     PayloadError,
     TensorPolicy,
@@ -41,6 +41,7 @@ from fedcomp.codecs import (
     quantize_compiled,
     rotation_compiled,
 )
+from fedcomp.codecs.wire import HEADER_FIXED_BYTES
 from fedcomp.downlink import BroadcastServer, Replica, ReplicaError, checksum, parse_downlink
 from fedcomp.failures import Rejection
 from fedcomp.flower.evaluation import record_pre_train_metrics
@@ -49,7 +50,7 @@ from fedcomp.flower.replica import ReplicaSender, rebuild_model
 from fedcomp.flower.reply_format import METRIC_PREFIX, reply_content
 from fedcomp.flower.round_records import account_reply, residual_summary
 from fedcomp.flower.round_state import Decoded
-from fedcomp.flower.validation import check_reply, decode_payloads
+from fedcomp.flower.validation import check_reply, decode_payloads, uplink_headers
 from fedcomp.influence import MAX_NUM_EXAMPLES
 from fedcomp.keys import (
     KEY_DOWNLINK,
@@ -268,14 +269,30 @@ def test_mutated_reply_bundles_are_checked_or_refused(ops: list) -> None:
         for op in ops:
             blob = mutate(blob, op)
         content[RECORD_HEADER][KEY_PAYLOADS] = blob
+        model = {NAME: _input(spec).numpy()}
+        rule = uplink_headers(model, RUN_SEED, ROUND, CLIENT)
         try:
-            checked = check_reply(content, CLIENT, ROUND, [NAME])
+            checked = check_reply(content, CLIENT, ROUND, [NAME], headers=rule)
         except Rejection:
             return
         assert list(checked.payloads) == [NAME]
         table = 7 + 4 if is_positional(blob) else 7 + 2 + len(NAME) + 4
-        assert table + len(checked.payloads[NAME]) == len(blob)
+        # a compact entry is its payload less the header the rule rebuilds, plus a byte
+        header = HEADER_FIXED_BYTES + 4 * model[NAME].ndim - 1 if is_compact(blob) else 0
+        assert table + len(checked.payloads[NAME]) - header == len(blob)
         _server_decode_or_reject(bytes(checked.payloads[NAME]), spec)
+
+
+def test_the_unmutated_reply_bundle_is_accepted_and_decodes() -> None:
+    """The property above refuses or accepts; this is what acceptance looks like, so a
+    reader that refused every bundle would fail here."""
+    spec = SPECS[0]
+    header = {KEY_PROTOCOL: PROTOCOL_VERSION, KEY_STABLE_ID: CLIENT, KEY_ROUND: ROUND}
+    content = reply_content(header, {NAME: _valid(spec)}, MetricRecord({KEY_NUM_EXAMPLES: 1}))
+    assert is_compact(content[RECORD_HEADER][KEY_PAYLOADS])
+    rule = uplink_headers({NAME: _input(spec).numpy()}, RUN_SEED, ROUND, CLIENT)
+    checked = check_reply(content, CLIENT, ROUND, [NAME], headers=rule)
+    assert bytes(checked.payloads[NAME]) == _valid(spec)
 
 
 def _server_decode(buf: bytes, spec: dict):

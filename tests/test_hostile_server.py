@@ -37,6 +37,7 @@ from fedcomp.downlink import (
     ReplicaError,
     Step,
     parse_downlink,
+    step_headers,
 )
 from fedcomp.flower import mod as mod_module
 from fedcomp.flower.mod import CompressionMod
@@ -264,7 +265,8 @@ def _step_record(msg: Message, server: BroadcastServer) -> dict:
     steps = json.loads(_config(msg)[KEY_DOWNLINK_STEPS])
     names = [f"{step[1]}/{name}" for step in steps for name in server.x_hat]
     blob = _config(msg)[KEY_DOWNLINK_PAYLOADS]
-    return dict(unpack_bundle(blob, max_entries=len(names), names=names))
+    rule = step_headers(server.x_hat, server.run_seed)  # the payloads in full
+    return dict(unpack_bundle(blob, max_entries=len(names), names=names, headers=rule))
 
 
 def _retarget(key: str, steps: list) -> int:

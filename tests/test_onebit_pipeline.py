@@ -12,17 +12,20 @@ from flwr.app import Message
 
 from clients.client_app import make_client_app
 from experiments.inprocess import InProcessGrid, Spy, initial_arrays
+from fedcomp.bundle import pack_bundle
 from fedcomp.codecs import TensorPolicy
 from fedcomp.flower.families.joint import joint_names
 from fedcomp.flower.options import IdentityOptions, ServerOptions
-from fedcomp.flower.reply_format import metrics_of, payloads_of, replace_payloads
+from fedcomp.flower.reply_format import metrics_of
 from fedcomp.flower.strategy import CompressedStrategy
+from fedcomp.flower.validation import sent_payloads
 from fedcomp.handoff_options import Aggregation
 from fedcomp.keys import (
     KEY_JOINT_CLIENTS,
     KEY_JOINT_INDEX,
     KEY_JOINT_TAU,
     KEY_PAYLOADS,
+    KEY_RUN_SEED,
     METRIC_OUT_OF_RANGE,
     RECORD_HEADER,
 )
@@ -88,7 +91,8 @@ def _library_mean(settings, initial, captured, keep):
     out = {}
     for name in names:
         payloads = [
-            bytes(payloads_of(r.content[RECORD_HEADER], list(arrays))[name]) for _, r, _ in train
+            bytes(sent_payloads(r.content[RECORD_HEADER], arrays, settings.seed)[name])
+            for _, r, _ in train
         ]
         indices = [int(m.content.config_records["config"][KEY_JOINT_INDEX]) for _, _, m in train]
         n = int(first_config[KEY_JOINT_CLIENTS])
@@ -178,12 +182,17 @@ def test_missing_and_corrupt_replies_use_the_ratio_estimator():
         if pid == 1:
             return None  # dropped
         if pid == 4:  # one flipped bit in the first one-bit payload's header seed
-            payloads = {n: bytes(p) for n, p in payloads_of(reply.content[RECORD_HEADER]).items()}
+            header = reply.content[RECORD_HEADER]
+            (model,) = instruction.content.array_records.values()
+            arrays = {k: v.numpy() for k, v in model.items()}
+            run_seed = instruction.content.config_records["config"][KEY_RUN_SEED]
+            payloads = {n: bytes(p) for n, p in sent_payloads(header, arrays, run_seed).items()}
             name = next(n for n in payloads if len(payloads[n]) > 600)
             data = bytearray(payloads[name])
             data[9] ^= 0x10
             payloads[name] = bytes(data)
-            replace_payloads(reply.content, payloads)
+            # in full (protocol 3's form, which a client may still send): the seed travels
+            header[KEY_PAYLOADS] = pack_bundle(payloads, named=False)
             return Message(reply.content, reply_to=instruction)
         return reply
 

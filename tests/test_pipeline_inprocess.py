@@ -25,20 +25,22 @@ from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
 from clients.client_app import make_client_app
 from experiments.inprocess import NODE_IDS, InProcessGrid, Spy, initial_arrays, set_task_identity
+from fedcomp.bundle import pack_bundle
 from fedcomp.codecs import decode_bytes, make_codec
 from fedcomp.codecs.wire import HEADER_FIXED_BYTES
+from fedcomp.compact import SEEDED, compact_entry
 from fedcomp.flower.mod import CompressionMod
 from fedcomp.flower.options import IdentityOptions, ServerOptions
 from fedcomp.flower.reply_format import (
     metrics_of,
-    payloads_of,
     replace_metrics,
-    replace_payloads,
 )
 from fedcomp.flower.strategy import CompressedStrategy
+from fedcomp.flower.validation import sent_payloads
 from fedcomp.handoff_options import Aggregation
 from fedcomp.keys import (
     KEY_NUM_EXAMPLES,
+    KEY_PAYLOADS,
     KEY_STABLE_ID,
     RECORD_HEADER,
 )
@@ -132,13 +134,12 @@ def test_recorded_bytes_equal_the_real_messages() -> None:
     record = strategy.rounds[0]
     rows = {row["client"]: row for row in record["per_client"]}
     model = build_model(SETTINGS.model, SETTINGS.dataset.name, SETTINGS.seed)
-    fp32_packed = sum(
-        HEADER_FIXED_BYTES + 4 * p.dim() + 4 * p.numel() for p in model.state_dict().values()
-    )
+    # a compact entry (fedcomp.compact) of an fp32 payload: one byte, then the values
+    fp32_packed = sum(1 + 4 * p.numel() for p in model.state_dict().values())
     for reply in _train_only(grid.replies):
         sid = int(reply.content[RECORD_HEADER][KEY_STABLE_ID])
-        payloads = payloads_of(reply.content[RECORD_HEADER], MODEL_NAMES)
-        codec_bytes = sum(len(p) for p in payloads.values())
+        # the entries' bytes: the bundle less its table (magic, version, count, lengths)
+        codec_bytes = len(reply.content[RECORD_HEADER][KEY_PAYLOADS]) - 7 - 4 * len(MODEL_NAMES)
         assert rows[sid]["uplink_codec_bytes"] == codec_bytes == fp32_packed
         assert rows[sid]["uplink_record_bytes"] == sum(
             r.count_bytes() for r in reply.content.values()
@@ -180,17 +181,36 @@ def _wire(obj) -> int:
 
 #: The default model's tensor names, in order: a reply's bundle is positional (the
 #: server reads it with these names), every test here runs the default model.
-MODEL_NAMES = list(build_model(SETTINGS.model, "digits", 0).state_dict())
+MODEL = {k: v.numpy() for k, v in build_model(SETTINGS.model, "digits", 0).state_dict().items()}
+MODEL_NAMES = list(MODEL)
 
 
 def _payloads(reply: Message) -> dict[str, bytes]:
     header = reply.content[RECORD_HEADER]
-    return {n: bytes(p) for n, p in payloads_of(header, MODEL_NAMES).items()}
+    return {n: bytes(p) for n, p in sent_payloads(header, MODEL, SETTINGS.seed).items()}
 
 
 def _set_payload(reply: Message, name: str, data: bytes) -> Message:
-    replace_payloads(reply.content, {**_payloads(reply), name: data})
+    """The reply with one payload replaced, every payload in full (a positional bundle
+    of protocol 3's form, which a client may still send): the server's checks of
+    a payload's header fields meet what a tamper wrote there."""
+    payloads = {**_payloads(reply), name: data}
+    reply.content[RECORD_HEADER][KEY_PAYLOADS] = pack_bundle(payloads, named=False)
     return reply
+
+
+def _compact_tamper(fn):
+    """A tamper of the first compact entry (fedcomp.compact) of a compact bundle."""
+
+    def tamper(reply: Message) -> Message:
+        entries = [compact_entry(p) for p in _payloads(reply).values()]
+        entries[0] = fn(entries[0])
+        head = struct.pack("<2sBI", b"FB", 3, len(entries))
+        table = b"".join(struct.pack("<I", len(e)) for e in entries)
+        reply.content[RECORD_HEADER][KEY_PAYLOADS] = head + table + b"".join(entries)
+        return reply
+
+    return tamper
 
 
 def _payload(reply: Message, name: str) -> bytes:
@@ -268,6 +288,10 @@ TAMPERS = {
     "wrong_stable_id": _wrong_id,
     "negative_weight": _weight(-5),
     "nan_weight": _weight(math.nan),
+    "compact_empty": _compact_tamper(lambda e: b""),
+    "compact_truncated": _compact_tamper(lambda e: e[:-3]),
+    "compact_unknown_codec": _compact_tamper(lambda e: bytes([0x7F]) + e[1:]),
+    "compact_seed_flag": _compact_tamper(lambda e: bytes([e[0] ^ SEEDED]) + e[1:]),
 }
 
 
@@ -451,7 +475,10 @@ def test_every_codec_through_the_mod_and_the_wrapper(spec: dict) -> None:
     for reply in replies:
         sid = int(reply.content[RECORD_HEADER][KEY_STABLE_ID])
         payloads = _payloads(reply)
-        assert rows[sid]["uplink_codec_bytes"] == sum(len(p) for p in payloads.values())
+        # each payload as a compact entry: its header (fixed part and shape) is one byte
+        assert rows[sid]["uplink_codec_bytes"] == sum(
+            len(p) - HEADER_FIXED_BYTES - 4 * initial[n].ndim + 1 for n, p in payloads.items()
+        )
         # Policy: a tensor is compressed exactly when its codec's payload is shorter
         # than raw (fedcomp.codecs.policy; tests/test_tensor_policy.py): the digits
         # MLP's 10 output biases travel raw (codec id 0) under every codec here.
@@ -468,13 +495,18 @@ def test_every_codec_through_the_mod_and_the_wrapper(spec: dict) -> None:
     # Compression that is not the identity must move the model, and stay finite.
     assert all(np.isfinite(v).all() for v in arrays.values())
     assert any(not np.array_equal(arrays[k], initial[k]) for k in arrays)
-    # The fp32 reference, computed from the layout: header + float32 values per tensor
-    # (integer buffers travel raw in their own dtype), once per decoded reply.
+    # The fp32 reference, computed from the layout: a compact entry's byte + float32
+    # values per tensor (integer buffers travel raw in their own dtype), once per
+    # decoded reply.
     fp32_one = sum(
-        HEADER_FIXED_BYTES + 4 * a.ndim + (4 if a.dtype.kind == "f" else a.itemsize) * a.size
+        1 + (4 if a.dtype.kind == "f" else a.itemsize) * a.size
         for a in initial.values()
     )
-    sent = sum(sum(len(p) for p in _payloads(r).values()) for r in replies)
+    sent = sum(
+        len(p) - HEADER_FIXED_BYTES - 4 * initial[n].ndim + 1
+        for r in replies
+        for n, p in _payloads(r).items()
+    )
     assert record["codec"]["fp32_codec_bytes"] == fp32_one * len(replies)
     assert record["codec"]["decoded_codec_bytes"] == sent < fp32_one * len(replies)
 

@@ -28,8 +28,9 @@ from fedcomp.downlink import BroadcastServer, parse_downlink
 from fedcomp.flower.families.joint import joint_names
 from fedcomp.flower.memory_state import load_memory
 from fedcomp.flower.options import IdentityOptions, ServerOptions
-from fedcomp.flower.reply_format import metrics_of, payloads_of
+from fedcomp.flower.reply_format import metrics_of
 from fedcomp.flower.strategy import CompressedStrategy
+from fedcomp.flower.validation import sent_payloads
 from fedcomp.handoff_options import Aggregation
 from fedcomp.keys import (
     KEY_CV_VERSION,
@@ -187,7 +188,7 @@ def test_residual_reconstruction_mean_and_mirror_update_follow_their_definitions
         for reply in seen.replies[t]:
             sid, weights[sid] = _sid_weight(reply)
             header = reply.content.config_records[RECORD_HEADER]
-            payloads = payloads_of(header, list(glob))
+            payloads = sent_payloads(header, glob, settings.seed)
             # Round 1: no state anywhere, a restart from h = 0 (bootstrap "zero"); then
             # a normal reply against the mirror of the version the header states.
             if t == 0:
@@ -308,7 +309,7 @@ def test_onebit_later_rounds_decode_around_the_previous_aggregate_and_tau_follow
         (handed,) = seen.inner_in[t]  # one pre-aggregated reply
         for name in names:
             payloads = [
-                bytes(payloads_of(r.content[RECORD_HEADER], list(seen.globals[t]))[name])
+                bytes(sent_payloads(r.content[RECORD_HEADER], seen.globals[t], settings.seed)[name])
                 for r in sorted(seen.replies[t], key=lambda r: _sid_weight(r)[0])
             ]
             common = {

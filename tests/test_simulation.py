@@ -18,7 +18,6 @@ from experiments.report import table_rows
 from experiments.runtime import PROJECT_ROOT
 from experiments.simulate import simulate
 from fedcomp.codecs import TensorPolicy, make_codec_from_spec
-from fedcomp.codecs.wire import HEADER_FIXED_BYTES
 from fedcomp.models import build_model
 from fedcomp.results_file import load_results
 from fedcomp.settings import Settings, settings_from_dict
@@ -55,9 +54,8 @@ def test_simulation_learns_writes_results_and_counts_real_bytes(first_run) -> No
     summary = results["summary"]
     assert summary["final_accuracy"] > summary["initial_accuracy"] + 0.2
     model = build_model(settings.model, settings.dataset.name, settings.seed)
-    fp32_packed = sum(
-        HEADER_FIXED_BYTES + 4 * p.dim() + 4 * p.numel() for p in model.state_dict().values()
-    )
+    # each tensor a compact entry (protocol 4): one header byte, then its float32 values
+    fp32_packed = sum(1 + 4 * p.numel() for p in model.state_dict().values())
     model_bytes = 4 * sum(p.numel() for p in model.state_dict().values())
     for rnd in results["rounds"]:
         assert (rnd["selected"], rnd["replied"], rnd["failures"]) == (3, 3, 0)
@@ -160,8 +158,9 @@ def test_multirun_writes_one_valid_results_file_per_run_and_report_matches(multi
 
 
 def _layout_bytes(spec: dict, shape: tuple[int, ...]) -> int:
-    """Expected payload size of one tensor from the documented layouts and the policy."""
-    n, header = math.prod(shape), 16 + 4 * len(shape)
+    """Expected size of one tensor's compact entry (fedcomp.compact: the payload's header
+    is one byte) from the documented layouts and the policy."""
+    n, header = math.prod(shape), 1
     # the default tensor policy: raw where the codec would not save its margin
     # (its own definition is tested in tests/test_tensor_policy.py)
     if TensorPolicy().travels_raw(True, shape, make_codec_from_spec(spec)):

@@ -14,6 +14,7 @@ from flwr.app import MessageType
 
 from clients.client_app import make_client_app
 from experiments.inprocess import InProcessGrid
+from fedcomp.codecs.wire import HEADER_FIXED_BYTES
 from fedcomp.results_file import build_results, round_sum
 from fedcomp.settings import settings_from_dict
 from fedcomp.traffic import Kind
@@ -176,7 +177,10 @@ def test_the_server_computes_each_replys_fp32_reference_as_plain_flower_sends_it
         assert reference.content(MetricRecord(dict(metrics))) == wire_and_objects(content)
         trained = {k: torch.from_numpy(v.numpy()) for k, v in content["arrays"].items()}
         fp32 = encode_all(make_codec("fp32"), policy, trained, dict.fromkeys(trained, 0))
-        assert reference.codec_bytes == sum(len(p) for p in fp32.values())
+        # as a message of protocol 4 carries them: each a compact entry (one header byte)
+        assert reference.codec_bytes == sum(
+            len(p) - HEADER_FIXED_BYTES - 4 * trained[n].dim() + 1 for n, p in fp32.items()
+        )
 
 
 def test_the_reference_gives_equal_tensors_distinct_values() -> None:

@@ -21,7 +21,7 @@ from fedcomp.failures import Failure
 from fedcomp.flower.families.base import DecodedUpdate, ServerHalf
 from fedcomp.flower.rejection import reject
 from fedcomp.flower.round_state import Decoded, Presum, RoundState
-from fedcomp.flower.validation import CheckedReply, ReplyError, check_reply
+from fedcomp.flower.validation import CheckedReply, ReplyError, check_reply, uplink_headers
 from fedcomp.influence import MAX_NUM_EXAMPLES, update_norm
 
 log = logging.getLogger("fedcomp.flower.strategy")  # one logger for the wrapper's lines
@@ -39,6 +39,8 @@ class ReplyDecoder:
         Node id -> stable id (None for an unknown node).
     max_weight : float
         The largest num-examples a reply may claim (fedcomp.influence.Influence).
+    run_seed : int
+        The run's public seed (the compact payload headers' seeds derive from it).
     stream : bool
         Release each decoded update once its norm is known and decode it again when
         the reducer adds it: bounded server memory (not for joint codes, whose bits
@@ -53,6 +55,7 @@ class ReplyDecoder:
         *,
         stable_of: Callable[[int], int | None],
         max_weight: float = MAX_NUM_EXAMPLES,
+        run_seed: int = 0,
         stream: bool = False,
         presum: bool = False,
     ) -> None:
@@ -61,6 +64,7 @@ class ReplyDecoder:
         self.presum = presum and self.stream
         self.stable_of = stable_of
         self.max_weight = max_weight
+        self.run_seed = run_seed
 
     # ------------------------------------------------------------------ per reply
 
@@ -78,7 +82,12 @@ class ReplyDecoder:
                 f"reply from node {node_id}, which was not asked this round", Failure.NOT_ASKED
             )
         return check_reply(
-            msg.content, sid, state.number, list(state.global_arrays), max_weight=self.max_weight
+            msg.content,
+            sid,
+            state.number,
+            list(state.global_arrays),
+            max_weight=self.max_weight,
+            headers=uplink_headers(state.global_arrays, self.run_seed, state.number, sid),
         )
 
     def decode_reply(self, msg: Message, checked: CheckedReply, state: RoundState) -> Decoded:

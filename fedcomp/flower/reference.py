@@ -23,6 +23,7 @@ from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
 
 from fedcomp.codecs import TensorPolicy, make_codec
 from fedcomp.codecs.policy import encode_all
+from fedcomp.compact import entry_size
 from fedcomp.flower.accounting import wire_and_objects
 from fedcomp.keys import RECORD_METRICS
 
@@ -50,7 +51,7 @@ class ReplyReference:
         model = distinct_arrays(arrays)
         tensors = {k: torch.from_numpy(np.array(v)) for k, v in model.items()}
         payloads = encode_all(make_codec("fp32"), policy, tensors, dict.fromkeys(tensors, 0))
-        self.codec_bytes = sum(len(p) for p in payloads.values())
+        self.codec_bytes = sum(entry_size(p) for p in payloads.values())
         content = RecordDict(
             {
                 REFERENCE_ARRAYS: ArrayRecord({k: Array(v) for k, v in model.items()}),

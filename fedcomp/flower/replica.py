@@ -33,6 +33,7 @@ from fedcomp.downlink import (
     checksum,
     parse_downlink,
     scale_text,
+    step_headers,
     wire_scale,
 )
 from fedcomp.flower.accounting import wire_bytes
@@ -48,6 +49,7 @@ from fedcomp.keys import (
     KEY_DOWNLINK_VERSION,
     KEY_REPLICA_CHECKSUM,
     KEY_REPLICA_VERSION,
+    KEY_RUN_SEED,
     RECORD_HEADER,
 )
 from fedcomp.npzfile import read_npz_meta, write_npz_meta
@@ -132,9 +134,11 @@ class ReplicaSender:
         else:
             del content[arrays_key]
             # Positional: the client knows the names (each step's tensors, model order).
+            # Compact: the client rebuilds each payload's header (fedcomp.downlink.step_headers).
             config[KEY_DOWNLINK_PAYLOADS] = pack_bundle(
                 {f"{s.target}/{n}": p for s in steps for n, p in s.payloads.items()},
                 named=False,
+                compact=True,
             )
             # No per-step checksum: the client checks the replica it ends with against
             # the instruction's own (KEY_DOWNLINK_CHECKSUM).
@@ -146,6 +150,9 @@ class ReplicaSender:
                 separators=(",", ":"),
             )
             config[KEY_DOWNLINK_ARRAYS] = arrays_key
+            # the steps' payload headers derive their seeds from it (instructions carry
+            # it anyway: the same key and value, no byte more)
+            config[KEY_RUN_SEED] = self.server.run_seed
             mode = DOWNLINK_STEPS
         config[KEY_DOWNLINK] = mode
         config[KEY_DOWNLINK_VERSION] = self.server.version
@@ -227,7 +234,7 @@ def rebuild_model(
         raise ReplicaError("no replica here (new, wiped or restarted): send the model")
     steps = _step_headers(_field(config, KEY_DOWNLINK_STEPS, str), list(held))
     check_chain(steps, version)
-    _index_payloads(blob, steps, held)
+    _index_payloads(blob, steps, held, _field(config, KEY_RUN_SEED, int))
     from_zero = steps[0].source == 0 if steps else version == 0
     # Steps from version 0: the server believes this client holds nothing, so a held
     # replica (e.g. a file another run left in a shared state directory) is not used.
@@ -334,7 +341,9 @@ def _step_header(entry: Any, names: set[str]) -> Step:
     return Step(source, target, {}, "", read)
 
 
-def _index_payloads(blob: object, steps: list[Step], held: Mapping[str, np.ndarray]) -> None:
+def _index_payloads(
+    blob: object, steps: list[Step], held: Mapping[str, np.ndarray], run_seed: int
+) -> None:
     """Put each step's payloads into it, from ONE pass over the bundle: every entry is
     "<target>/<tensor>" for a listed target (the targets increase: check_chain) and a
     tensor of the model, and there are exactly the steps' tensors, step by step in
@@ -342,7 +351,9 @@ def _index_payloads(blob: object, steps: list[Step], held: Mapping[str, np.ndarr
     expected = len(steps) * len(held)
     names = [f"{step.target}/{name}" for step in steps for name in held]
     try:
-        record = unpack_bundle(blob, max_entries=expected, names=names)
+        record = unpack_bundle(
+            blob, max_entries=expected, names=names, headers=step_headers(held, run_seed)
+        )
     except BundleError as exc:
         raise ReplicaError(f"'{KEY_DOWNLINK_PAYLOADS}': {exc}") from exc
     if len(record) != expected:

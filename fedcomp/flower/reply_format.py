@@ -1,5 +1,6 @@
 """The compressed train reply's layout, both halves: what the mod writes and what the
-wrapper reads (protocol version 3; version 2 had the same layout with the per-step
+wrapper reads (protocol version 4: compact payload entries, fedcomp.compact; version 3
+had full payload headers; version 2 had the same layout with the per-step
 checksums and the downlink codec in every instruction, and a codec-bytes metric).
 
 A reply is the fewest objects a Flower message can be: its Message, its RecordDict
@@ -16,7 +17,8 @@ from typing import Any
 
 from flwr.app import ConfigRecord, MetricRecord, RecordDict
 
-from fedcomp.bundle import is_positional, pack_bundle, unpack_bundle
+from fedcomp.bundle import pack_bundle, unpack_bundle
+from fedcomp.compact import HeaderRule
 from fedcomp.keys import KEY_PAYLOADS, RECORD_HEADER
 
 #: Header entries holding the reply's metrics: ``METRIC_PREFIX + name`` (the app's own
@@ -31,17 +33,21 @@ def reply_content(
     header: Mapping[str, Any], payloads: Mapping[str, bytes], metrics: MetricRecord
 ) -> RecordDict:
     """The reply content, one record: ``header`` fields, the payload bundle (model
-    order, positional: the server reads it with the model's names) and the metrics."""
-    fields = {**header, KEY_PAYLOADS: pack_bundle(payloads, named=False)}
+    order, compact: the server reads it with the model's names, shapes and seeds) and
+    the metrics."""
+    fields = {**header, KEY_PAYLOADS: pack_bundle(payloads, named=False, compact=True)}
     fields.update({METRIC_PREFIX + k: v for k, v in metrics.items()})
     return RecordDict({RECORD_HEADER: ConfigRecord(fields)})
 
 
-def payloads_of(header: ConfigRecord, names: Sequence[str] | None = None) -> dict[str, memoryview]:
-    """The reply's payloads, views into its bundle; with ``names`` exactly those
-    tensors in that order (fedcomp.bundle.BundleError otherwise)."""
+def payloads_of(
+    header: ConfigRecord, names: Sequence[str] | None = None, headers: HeaderRule | None = None
+) -> dict[str, memoryview]:
+    """The reply's payloads, full payloads; with ``names`` exactly those tensors in that
+    order (fedcomp.bundle.BundleError otherwise). ``headers`` rebuilds a compact
+    bundle's payload headers (fedcomp.flower.validation.uplink_headers)."""
     bound = MAX_TENSORS if names is None else len(names)
-    return unpack_bundle(header.get(KEY_PAYLOADS), max_entries=bound, names=names)
+    return unpack_bundle(header.get(KEY_PAYLOADS), max_entries=bound, names=names, headers=headers)
 
 
 def metrics_of(header: ConfigRecord) -> MetricRecord:
@@ -69,10 +75,3 @@ def replace_metrics(content: RecordDict, metrics: Mapping[str, Any]) -> None:
     for key in [k for k in header if k.startswith(METRIC_PREFIX)]:
         del header[key]
     header.update({METRIC_PREFIX + k: v for k, v in metrics.items()})
-
-
-def replace_payloads(content: RecordDict, payloads: Mapping[str, bytes]) -> None:
-    """Put other payloads into a reply (in place), in the order given and the bundle
-    format the reply had: what a tool or a test that plays a hostile client does."""
-    header = content[RECORD_HEADER]
-    header[KEY_PAYLOADS] = pack_bundle(payloads, named=not is_positional(header.get(KEY_PAYLOADS)))

@@ -87,6 +87,7 @@ class Uplink:
             self.half,
             stable_of=stable_of,
             max_weight=influence.max_num_examples,
+            run_seed=run_seed,
             # the plain mean and the trees take updates one at a time: release them
             # between passes (the one-bit path keeps its bits: decoding.py)
             stream=agg.pre_aggregated,

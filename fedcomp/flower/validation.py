@@ -19,6 +19,7 @@ from flwr.app import ConfigRecord, MetricRecord, RecordDict
 
 from fedcomp.bundle import BundleError
 from fedcomp.codecs import Codec, TensorPolicy, parse_payload
+from fedcomp.codecs.base import JOINT_ONEBIT_ID
 from fedcomp.codecs.dense import RawCodec
 from fedcomp.codecs.wire import (
     DTYPE_CODES,
@@ -27,6 +28,7 @@ from fedcomp.codecs.wire import (
     SpecMismatch,
     check_field,
 )
+from fedcomp.compact import HeaderRule
 from fedcomp.failures import Failure, Rejection
 from fedcomp.flower.reply_format import metrics_of, payloads_of
 from fedcomp.influence import MAX_NUM_EXAMPLES
@@ -38,6 +40,7 @@ from fedcomp.keys import (
     PROTOCOL_VERSION,
     RECORD_HEADER,
 )
+from fedcomp.onebit.federated import joint_seed
 from fedcomp.own_metrics import own_metrics_problem
 from fedcomp.rng import derive_seed
 
@@ -72,10 +75,12 @@ def check_reply(
     names: Sequence[str],
     *,
     max_weight: float = MAX_NUM_EXAMPLES,
+    headers: HeaderRule | None = None,
 ) -> CheckedReply:
     """Check the header, the weight (positive, finite, at most ``max_weight``), the
     metrics (finite scalars) and the payload bundle (exactly the model's tensors
-    ``names``, in order; fedcomp.bundle); return them.
+    ``names``, in order; fedcomp.bundle); return them. ``headers``: the rule that
+    rebuilds a compact bundle's payload headers (:func:`uplink_headers`).
 
     Raises
     ------
@@ -117,7 +122,7 @@ def check_reply(
         )
     check_train_metrics(metrics, max_weight)
     try:
-        payloads = payloads_of(header, names)
+        payloads = payloads_of(header, names, headers)
     except BundleError as exc:
         raise ReplyError(f"payloads: {exc}") from exc
     return CheckedReply(header, metrics, float(weight), payloads)
@@ -257,6 +262,46 @@ def decode_payloads(
         deltas[name] = delta
         codecs[name] = used.name
     return deltas, codecs
+
+
+def uplink_headers(
+    global_arrays: Mapping[str, np.ndarray], run_seed: int, server_round: int, stable_id: int
+) -> HeaderRule:
+    """The uplink's rule for compact payload entries (fedcomp.compact): the header a
+    reply's payload had is the global tensor's shape and dtype, and, when it carries a
+    public seed, the one :func:`decode_payloads` expects (the client's, or the round's
+    shared seed for the joint one-bit code)."""
+
+    def rule(name: str, codec_id: int, seeded: bool) -> PayloadHeader:
+        reference = global_arrays.get(name)
+        if reference is None:
+            raise ValueError(f"{name!r:.80} is not a tensor of the model")
+        seed = 0
+        if seeded and codec_id == JOINT_ONEBIT_ID:
+            seed = joint_seed(run_seed, server_round, name)
+        elif seeded:
+            seed = derive_seed(run_seed, server_round, stable_id, name)
+        return PayloadHeader(codec_id, _torch_dtype(reference), tuple(reference.shape), seed)
+
+    return rule
+
+
+def sent_payloads(
+    header: ConfigRecord, global_arrays: Mapping[str, np.ndarray], run_seed: int
+) -> dict[str, memoryview]:
+    """A reply's payloads read as the server reads them, its stable id and round taken
+    from its own header: what tools and tests that play the server use (the server
+    itself checks those fields first, :func:`check_reply`).
+
+    Raises
+    ------
+    fedcomp.bundle.BundleError
+        A bundle that does not hold the model's tensors.
+    """
+    rule = uplink_headers(
+        global_arrays, run_seed, int(header[KEY_ROUND]), int(header[KEY_STABLE_ID])
+    )
+    return payloads_of(header, list(global_arrays), rule)
 
 
 def compressed_names(codecs: Mapping[str, str]) -> set[str]:

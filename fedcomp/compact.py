@@ -1,0 +1,73 @@
+"""Compact payload entries: a payload without the header its reader already knows.
+
+A payload (fedcomp.codecs.wire) starts with a self-describing header of 16 bytes plus 4
+per dimension: magic, format version, codec id, dtype, shape and the public seed. Inside
+a message the reader knows all of it but the codec id: the tensor's shape and dtype are
+the model's, and the seed is the one it derives itself (and checked the payload's
+against). On the Fashion-MNIST CNN those headers were 236 B of every 3 KB message, both
+ways. A compact entry keeps one byte of them::
+
+    u8  codec id (bits 0-6) | 0x80 when the payload carries a public seed
+    ... the payload's body, unchanged
+
+Both halves are here: the writer (:func:`compact_entry`) needs no context; the reader
+(:func:`expand_entry`) rebuilds the header from a :data:`HeaderRule` the protocol's
+reader supplies (the uplink's in fedcomp.flower.validation, the downlink's in
+fedcomp.downlink), and every check a payload's header went through before still runs on
+the rebuilt one, so a hostile entry can claim nothing a full payload could not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fedcomp.codecs.wire import HEADER_FIXED_BYTES, PayloadHeader, parse_payload
+
+#: The flag bit of an entry's first byte: the payload carries a public seed (the
+#: reader's), not 0.
+SEEDED = 0x80
+#: The largest codec id a compact entry can name (ids are one byte below the flag).
+MAX_CODEC_ID = SEEDED - 1
+
+#: The reader's side: (entry name, codec id, seeded) -> the header the payload had.
+#: Raises ValueError for an entry it cannot place (an unknown name).
+HeaderRule = Callable[[str, int, bool], PayloadHeader]
+
+
+def compact_entry(payload: bytes | bytearray | memoryview) -> bytes:
+    """One payload as a compact entry: its codec id and seed flag, then its body.
+
+    Raises
+    ------
+    ValueError
+        A payload that does not parse, or a codec id above :data:`MAX_CODEC_ID`.
+    """
+    parsed = parse_payload(payload)
+    codec_id = parsed.header.codec_id
+    if codec_id > MAX_CODEC_ID:
+        raise ValueError(f"codec id {codec_id} does not fit a compact entry (max {MAX_CODEC_ID})")
+    first = codec_id | (SEEDED if parsed.header.seed else 0)
+    return bytes([first]) + bytes(parsed.body)
+
+
+def entry_size(payload: bytes | bytearray | memoryview) -> int:
+    """The bytes a (well-formed) payload takes as a compact entry: what a message of
+    protocol 4 carries for it, the figure a round's codec bytes add up."""
+    header = parse_payload(payload).header
+    return len(payload) - HEADER_FIXED_BYTES - 4 * len(header.shape) + 1
+
+
+def expand_entry(entry: bytes | memoryview, name: str, rule: HeaderRule) -> bytes:
+    """The full payload a compact entry stands for: the header ``rule`` gives for its
+    codec id and flag, then its body.
+
+    Raises
+    ------
+    ValueError
+        An empty entry, or whatever ``rule`` refuses.
+    """
+    if len(entry) == 0:
+        raise ValueError(f"{name}: an empty compact entry (its codec id is missing)")
+    first = entry[0]
+    header = rule(name, first & MAX_CODEC_ID, bool(first & SEEDED))
+    return header.pack() + bytes(entry[1:])
