@@ -26,6 +26,7 @@ from fedcomp.data import ArrayDataset, client_datasets
 from fedcomp.diagnostics import write_update
 from fedcomp.flower.identity import partition_id_of, stable_id_of
 from fedcomp.flower.mod import CompressionMod
+from fedcomp.flower.packed import PackError, open_instruction
 from fedcomp.keys import (
     KEY_NUM_EXAMPLES,
     KEY_ROUND,
@@ -73,6 +74,10 @@ class LocalPathsMod:
             _PATHS.reset(token)
 
     def _warn_once(self, msg: Message, paths: ClientPaths) -> None:
+        try:  # outside the compression mod: its fields may still be packed
+            open_instruction(msg)
+        except PackError:
+            return  # the compression mod answers it with an error
         config = _task_config(msg)
         if self._warned or config is None:
             return

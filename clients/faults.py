@@ -24,6 +24,7 @@ from flwr.common.constant import ErrorCode
 
 from fedcomp.bundle import repack_like, unpack_bundle
 from fedcomp.flower.identity import stable_id_of
+from fedcomp.flower.packed import PackError, open_instruction
 from fedcomp.flower.reply_format import MAX_TENSORS
 from fedcomp.flower.shared_settings import held_task
 from fedcomp.injected import KINDS, draw_fault
@@ -43,7 +44,11 @@ REASON_PREFIX = FAULT_REASON_PREFIX
 def _fault_of(msg: Message, ctxt: Context):
     if msg.metadata.message_type != MessageType.TRAIN:
         return None, None
-    # Outside the compression mod: the task may still be only its digest here.
+    # Outside the compression mod: the fields may still be packed, the task only its digest.
+    try:
+        open_instruction(msg)
+    except PackError:
+        return None, None  # the compression mod answers it with an error
     task = held_task(msg.content, ctxt.state)
     config = next((c for c in msg.content.config_records.values() if KEY_ROUND in c), None)
     if task is None or config is None:

@@ -33,8 +33,15 @@ from fedcomp.codecs import codec_class_by_id, parse_payload
 from fedcomp.codecs.wire import HEADER_FIXED_BYTES
 from fedcomp.compact import MAX_CODEC_ID
 from fedcomp.flower.accounting import wire_and_objects
-from fedcomp.flower.reply_format import METRIC_PREFIX
-from fedcomp.keys import KEY_DOWNLINK_PAYLOADS, KEY_DOWNLINK_STEPS, KEY_PAYLOADS, RECORD_HEADER
+from fedcomp.flower.packed import opened, pack_fields, unpack_fields
+from fedcomp.keys import (
+    KEY_DOWNLINK_PAYLOADS,
+    KEY_DOWNLINK_STEPS,
+    KEY_PACKED,
+    KEY_PAYLOADS,
+    METRIC_PREFIX,
+    RECORD_HEADER,
+)
 
 
 def config_entry_bytes(key: str, value: Any) -> int:
@@ -92,15 +99,8 @@ def breakdown(msg: Message, model: Mapping[str, np.ndarray]) -> list[tuple[str, 
     compact one no shapes)."""
     wire, _ = wire_and_objects(msg)
     record, blob_key = _fedcomp_record(msg)
-    rows: list[tuple[str, str, int]] = []
-    entries = 0
-    for key, value in record.items():
-        if key == blob_key:
-            continue
-        size = config_entry_bytes(key, value)
-        group = "metrics" if key.startswith(METRIC_PREFIX) else "header fields"
-        rows.append((group, key.removeprefix(METRIC_PREFIX), size))
-        entries += size
+    rows = _field_rows(record, blob_key)
+    entries = sum(size for _, _, size in rows)
     blob = record[blob_key]
     bundle_entry = config_entry_bytes(blob_key, blob)
     names = _entry_names(msg, blob_key, list(model))
@@ -121,11 +121,37 @@ def breakdown(msg: Message, model: Mapping[str, np.ndarray]) -> list[tuple[str, 
     return rows
 
 
+def _field_rows(record: ConfigRecord, blob_key: str) -> list[tuple[str, str, int]]:
+    """A row per header field and metric: an entry's own bytes, or a packed field's
+    share of the packed entry (its tag, type and value: fedcomp.flower.packed), with
+    the packed entry's key and length a row of their own."""
+    rows = []
+    for key, value in record.items():
+        if key == blob_key:
+            continue
+        if key != KEY_PACKED:
+            rows.append(
+                (_group(key), key.removeprefix(METRIC_PREFIX), config_entry_bytes(key, value))
+            )
+            continue
+        fields = unpack_fields(value)
+        for field, field_value in fields.items():
+            size = len(pack_fields({field: field_value})[0])
+            rows.append((_group(field), field.removeprefix(METRIC_PREFIX) + " (packed)", size))
+        framing = config_entry_bytes(key, value) - len(value)
+        rows.append(("header fields", "the packed entry's key and length", framing))
+    return rows
+
+
+def _group(key: str) -> str:
+    return "metrics" if key.startswith(METRIC_PREFIX) else "header fields"
+
+
 def _entry_names(msg: Message, blob_key: str, names: Sequence[str]) -> list[str]:
     """The bundle's entry names: the model's, per step in an instruction."""
     if blob_key == KEY_PAYLOADS:
         return list(names)
-    steps = json.loads(msg.content["config"][KEY_DOWNLINK_STEPS])
+    steps = json.loads(opened(msg.content["config"])[KEY_DOWNLINK_STEPS])
     return [f"{target}/{name}" for _, target, _ in steps for name in names]
 
 

@@ -28,13 +28,15 @@ from experiments.memory import address_space_cap, peak_rss, reset_peak_rss
 from fedcomp.bundle import is_positional, pack_bundle
 from fedcomp.failures import Failure
 from fedcomp.flower.options import IdentityOptions, ServerOptions
-from fedcomp.flower.reply_format import metrics_of, replace_metrics
+from fedcomp.flower.packed import opened
+from fedcomp.flower.reply_format import metrics_of, replace_metrics, reply_header
 from fedcomp.flower.strategy import CompressedStrategy
 from fedcomp.flower.validation import sent_payloads
 from fedcomp.handoff_options import Aggregation
 from fedcomp.keys import (
     KEY_CV_VERSION,
     KEY_NUM_EXAMPLES,
+    KEY_PACKED,
     KEY_PAYLOADS,
     KEY_PROTOCOL,
     KEY_RESYNC,
@@ -64,8 +66,8 @@ def _full_payloads(reply: Message, instruction: Message) -> dict[str, bytes]:
     carries the model: the hostile rounds send it in full, and the run seed)."""
     ((arrays,),) = [list(instruction.content.array_records.values())]
     model = {k: v.numpy() for k, v in arrays.items()}
-    config = next(c for c in instruction.content.config_records.values() if KEY_RUN_SEED in c)
-    header = reply.content.config_records[RECORD_HEADER]
+    config = next(opened(c) for c in instruction.content.config_records.values() if KEY_PACKED in c)
+    header = reply_header(reply.content)
     return {n: bytes(p) for n, p in sent_payloads(header, model, config[KEY_RUN_SEED]).items()}
 
 
@@ -82,7 +84,8 @@ def _map_payloads(reply: Message, instruction: Message, change) -> Message:
 
 
 def _header(reply: Message, instruction: Message, **fields) -> Message:
-    header = ConfigRecord(dict(reply.content.config_records[RECORD_HEADER]))
+    # its fields opened: a reply may carry them packed or as entries (fedcomp.flower.packed)
+    header = ConfigRecord(dict(reply_header(reply.content)))
     for key, value in fields.items():
         header[key] = value
     return _replace(reply, instruction, **{RECORD_HEADER: header})
@@ -132,7 +135,7 @@ def huge_values(pid, reply, instruction):
 
 def wrong_round(pid, reply, instruction):
     """(d) A reply claiming another round."""
-    header = reply.content.config_records[RECORD_HEADER]
+    header = reply_header(reply.content)
     return _header(reply, instruction, **{KEY_ROUND: int(header[KEY_ROUND]) - 1})
 
 
@@ -372,7 +375,7 @@ def residual_liars(pid, reply, instruction):
 def _metrics(reply: Message, instruction: Message, change) -> Message:
     """The reply with ``change`` applied to its metrics: a train reply's live in its
     header (fedcomp.flower.reply_format), an evaluate reply's in its MetricRecord."""
-    header = reply.content.config_records.get(RECORD_HEADER)
+    header = reply_header(reply.content)
     if header is not None and KEY_PAYLOADS in header:
         metrics = metrics_of(header)
         change(metrics)

@@ -6,6 +6,7 @@ instead, as Flower's DP mods and wrappers do.
 """
 
 #: Version of the fedcomp message protocol (header fields and record layout).
+#: 5: fedcomp's header fields and metrics packed in one entry (fedcomp.flower.packed);
 #: 4: compact payload entries (fedcomp.compact): a payload's header, which its reader
 #: knows, is one byte in both directions;
 #: 3: fewer fixed bytes (the downlink codec travels with the run settings, the step
@@ -14,7 +15,7 @@ instead, as Flower's DP mods and wrappers do.
 #: in full);
 #: 2: compact messages, every payload of a message in one bundle (fedcomp.bundle)
 #: inside its header or config record; 1: one Array per payload.
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 # --- Instruction (server -> client) config keys -----------------------------------
 #: JSON-encoded codec spec, e.g. ``{"name": "fp32"}``. Its presence tells the mod
@@ -110,6 +111,53 @@ METRIC_REL_ERROR = "fedcomp.codec-rel-error"
 #: Joint codes: fraction of this client's coordinates farther than L_J / 4 from 0, in
 #: units of the public tau (they wrap unless the center is near them).
 METRIC_OUT_OF_RANGE = "fedcomp.out-of-range"
+
+#: Reply header entries holding the reply's metrics: ``METRIC_PREFIX + name`` (the app's
+#: own metrics and fedcomp's measurements; the wrapper rebuilds the MetricRecord).
+METRIC_PREFIX = "metric:"
+
+# --- Packed fields (protocol 5, fedcomp.flower.packed) ------------------------------------------
+#: The one bytes entry of a header or instruction config holding fedcomp's fields.
+KEY_PACKED = "fedcomp"
+#: The fields that travel packed, each as a one-byte tag: its position here plus one.
+#: Append only: a tag's meaning is part of the protocol. The payload bundles stay
+#: entries of their own (their readers take views into them, nothing copied).
+PACKED_FIELDS: tuple[str, ...] = (
+    KEY_PROTOCOL,
+    KEY_ROUND,
+    KEY_RUN_SEED,
+    KEY_EXPECTED_ID,
+    KEY_ACK_ROUND,
+    KEY_RESYNC,
+    KEY_SETTINGS,
+    KEY_CODEC,
+    KEY_TASK,
+    KEY_POLICY,
+    KEY_JOINT_INDEX,
+    KEY_JOINT_CLIENTS,
+    KEY_JOINT_TAU,
+    KEY_DOWNLINK,
+    KEY_DOWNLINK_VERSION,
+    KEY_DOWNLINK_CHECKSUM,
+    KEY_DOWNLINK_ARRAYS,
+    KEY_DOWNLINK_CODEC,
+    KEY_DOWNLINK_STEPS,
+    KEY_STABLE_ID,
+    KEY_HANDLES,
+    KEY_REPLICA_VERSION,
+    KEY_REPLICA_CHECKSUM,
+    KEY_CV_VERSION,
+    KEY_CV_CHECKSUM,
+    METRIC_PREFIX + KEY_NUM_EXAMPLES,
+    METRIC_PREFIX + METRIC_ENCODE_S,
+    METRIC_PREFIX + METRIC_CV_RESIDUAL,
+    METRIC_PREFIX + METRIC_CV_DELTA,
+    METRIC_PREFIX + METRIC_CV_NOISE,
+    METRIC_PREFIX + METRIC_CV_BOUND,
+    METRIC_PREFIX + METRIC_STATE_BYTES,
+    METRIC_PREFIX + METRIC_REL_ERROR,
+    METRIC_PREFIX + METRIC_OUT_OF_RANGE,
+)
 
 #: Error reasons of injected faults (clients.faults) contain this, then the fault kind.
 FAULT_REASON_PREFIX = "fault injection: "

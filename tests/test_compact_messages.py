@@ -25,6 +25,7 @@ from fedcomp.downlink import BroadcastServer, Replica, parse_downlink
 from fedcomp.failures import Failure
 from fedcomp.flower.mod import CompressionMod
 from fedcomp.flower.replica import ReplicaSender, rebuild_model
+from fedcomp.flower.reply_format import reply_header
 from fedcomp.flower.validation import ReplyError, check_reply, sent_payloads, uplink_headers
 from fedcomp.keys import (
     DOWNLINK_STEPS,
@@ -32,6 +33,8 @@ from fedcomp.keys import (
     KEY_DOWNLINK_CODEC,
     KEY_DOWNLINK_PAYLOADS,
     KEY_NUM_EXAMPLES,
+    KEY_PACKED,
+    KEY_PAYLOADS,
     KEY_PROTOCOL,
     KEY_ROUND,
     KEY_RUN_SEED,
@@ -87,7 +90,9 @@ def test_a_train_reply_through_the_mod_is_four_objects_for_any_tensor_count(tens
     reply = CompressionMod(TensorPolicy(min_numel=0))(instruction, ctxt, app)
     assert not reply.has_error(), reply.error.reason if reply.has_error() else ""
     assert _objects(reply) == 3
-    header = reply.content[RECORD_HEADER]
+    # two entries: fedcomp's fields and metrics packed (fedcomp.flower.packed), the bundle
+    assert set(reply.content[RECORD_HEADER]) == {KEY_PACKED, KEY_PAYLOADS}
+    header = reply_header(reply.content)
     assert len(sent_payloads(header, model, 7)) == tensors
     assert KEY_CODEC not in header  # the server knows the spec it sent: not echoed back
     # and the server accepts it: the bundle is exactly the model's tensors in order
@@ -195,11 +200,11 @@ def test_the_settings_digest_and_handles_travel_only_in_the_reply_to_settings_in
 
     ctxt = Context(1, 11, {"partition-id": SID, "num-partitions": 8}, RecordDict(), {})
     mod = CompressionMod(TensorPolicy(min_numel=0))
-    first = mod(instruction(True), ctxt, app).content[RECORD_HEADER]
+    first = reply_header(mod(instruction(True), ctxt, app).content)
     assert first[KEY_SETTINGS] == shared.digest and KEY_HANDLES in first
     shared.note_reply(SID, first)
     assert SID in shared.held
-    later = mod(instruction(False), ctxt, app).content[RECORD_HEADER]
+    later = reply_header(mod(instruction(False), ctxt, app).content)
     assert KEY_SETTINGS not in later and KEY_HANDLES not in later
     shared.note_reply(SID, later)  # no statement: still held
     assert SID in shared.held

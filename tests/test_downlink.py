@@ -10,7 +10,7 @@ import json
 
 import numpy as np
 import pytest
-from flwr.app import Message, MessageType
+from flwr.app import ConfigRecord, Message, MessageType
 
 from clients.client_app import make_client_app
 from clients.paths import ClientPaths
@@ -28,6 +28,7 @@ from fedcomp.downlink import (
 from fedcomp.failures import RunFailed
 from fedcomp.flower.identity import is_identity_message
 from fedcomp.flower.options import IdentityOptions, ServerOptions
+from fedcomp.flower.packed import opened
 from fedcomp.flower.replica import RECORD_REPLICA, RECORD_REPLICA_META
 from fedcomp.flower.strategy import CompressedStrategy
 from fedcomp.keys import (
@@ -316,33 +317,35 @@ def test_replicas_stay_bit_identical_through_faults_and_a_resume(tmp_path) -> No
     errors = [r.error.reason for r in grid.replies if r.has_error()]
     # Evaluate instructions to current, declared replicas carried no model.
     evaluate = [m for m in grid.sent if m.metadata.message_type == MessageType.EVALUATE]
-    modes = [m.content.config_records["config"][KEY_DOWNLINK] for m in evaluate]
+    modes = [opened(m.content["config"])[KEY_DOWNLINK] for m in evaluate]
     assert DOWNLINK_STEPS in modes and DOWNLINK_FULL in modes
     for msg in evaluate:
-        config = msg.content.config_records["config"]
+        config = opened(msg.content["config"])
         if config[KEY_DOWNLINK] == DOWNLINK_STEPS:
             assert not msg.content.array_records and KEY_DOWNLINK_PAYLOADS in config
     # A model-free instruction weighs less than a full one, by what its steps save.
     sizes: dict[str, list[int]] = {DOWNLINK_FULL: [], DOWNLINK_STEPS: []}
     for msg, size in zip(grid.sent, grid.sent_bytes, strict=True):
         config = msg.content.config_records.get("config")
+        config = opened(config) if config is not None else None
         if config is not None and KEY_DOWNLINK in config:
             sizes[config[KEY_DOWNLINK]].append(size)
     assert max(sizes[DOWNLINK_STEPS]) < min(sizes[DOWNLINK_FULL])
     # Clients that missed 3 or more rounds caught up from the steps they lacked.
     behind = [
-        len(json.loads(m.content["config"][KEY_DOWNLINK_STEPS]))
+        len(json.loads(opened(m.content["config"])[KEY_DOWNLINK_STEPS]))
         for m in _rounds(grid.sent)
-        if m.content.config_records.get("config", {}).get(KEY_DOWNLINK) == DOWNLINK_STEPS
+        if opened(m.content.config_records.get("config", ConfigRecord())).get(KEY_DOWNLINK)
+        == DOWNLINK_STEPS
     ]
     assert max(behind) >= 3
     # The wiped client answered its next model-free instruction with an error and got
     # the model in full after it.
     to_wiped = [
-        m.content["config"][KEY_DOWNLINK]
+        opened(m.content["config"])[KEY_DOWNLINK]
         for m in _rounds(grid.sent[sent_before_wipe:])
         if m.metadata.message_type in (MessageType.TRAIN, MessageType.EVALUATE)
-        and m.content["config"][KEY_EXPECTED_ID] == victim
+        and opened(m.content["config"])[KEY_EXPECTED_ID] == victim
     ]
     assert to_wiped[:2] == [DOWNLINK_STEPS, DOWNLINK_FULL], to_wiped
     assert len(errors) == 1 and "no replica" in errors[0]
@@ -350,7 +353,7 @@ def test_replicas_stay_bit_identical_through_faults_and_a_resume(tmp_path) -> No
         assert r["total_wire_bytes"] < r["fp32_total_wire_bytes"]
     # The downlink codec's spec travels with the run settings, once per client (again
     # only after the wipe and in the resumed run's first contact), not every round.
-    configs = [m.content["config"] for m in _rounds(grid.sent) if "config" in m.content]
+    configs = [opened(m.content["config"]) for m in _rounds(grid.sent) if "config" in m.content]
     assert all((KEY_DOWNLINK_CODEC in c) == (KEY_CODEC in c) for c in configs)
     carrying = sum(KEY_DOWNLINK_CODEC in c for c in configs)
     assert N <= carrying <= 2 * N + 1 < len(configs)
@@ -370,7 +373,7 @@ def test_a_corrupted_step_is_never_trained_on_and_the_client_is_resynced() -> No
             config = msg.content.config_records.get("config")
             if (
                 config is not None
-                and config.get(KEY_EXPECTED_ID) == victim["sid"]
+                and opened(config).get(KEY_EXPECTED_ID) == victim["sid"]
                 and msg.metadata.group_id == str(victim["round"])
                 and KEY_DOWNLINK_PAYLOADS in config
             ):
@@ -380,7 +383,9 @@ def test_a_corrupted_step_is_never_trained_on_and_the_client_is_resynced() -> No
         replies = send(messages, timeout=timeout)
         for msg in _rounds(messages):
             if msg.metadata.message_type == MessageType.TRAIN:
-                trained.append((int(msg.metadata.group_id), msg.content["config"][KEY_EXPECTED_ID]))
+                trained.append(
+                    (int(msg.metadata.group_id), opened(msg.content["config"])[KEY_EXPECTED_ID])
+                )
         return replies
 
     grid.send_and_receive = corrupting
@@ -395,9 +400,9 @@ def test_a_corrupted_step_is_never_trained_on_and_the_client_is_resynced() -> No
         m
         for m in _rounds(grid.sent)
         if m.metadata.message_type == MessageType.TRAIN
-        and m.content["config"][KEY_EXPECTED_ID] == victim["sid"]
+        and opened(m.content["config"])[KEY_EXPECTED_ID] == victim["sid"]
     ]
-    assert to_victim[3].content["config"][KEY_DOWNLINK] == DOWNLINK_FULL
+    assert opened(to_victim[3].content["config"])[KEY_DOWNLINK] == DOWNLINK_FULL
     assert strategy.rounds[3]["replied"] == N
     _assert_in_sync(strategy.replicas.server, grid)
     # No evaluation in this run: every client holds the version before the last step.
@@ -410,7 +415,7 @@ def test_the_default_fp32_downlink_sends_the_inner_strategys_model_unchanged() -
     results = run_server(grid, settings)
     train = [m for m in _rounds(grid.sent) if m.metadata.message_type == MessageType.TRAIN]
     for msg in train:
-        assert KEY_DOWNLINK not in msg.content["config"]
+        assert KEY_DOWNLINK not in opened(msg.content["config"])
         assert "arrays" in msg.content.array_records
     assert all(RECORD_REPLICA not in c.state for c in grid.contexts.values())
     for r in results["rounds"]:
@@ -480,7 +485,7 @@ def test_seeded_initial_model_is_never_sent_and_replicas_stay_exact() -> None:
     strategy = _strategy(settings)
     strategy.start(grid, initial_arrays(settings), num_rounds=6)
     modes = [
-        m.content["config"][KEY_DOWNLINK]
+        opened(m.content["config"])[KEY_DOWNLINK]
         for m in _rounds(grid.sent)
         if m.metadata.message_type in (MessageType.TRAIN, MessageType.EVALUATE)
     ]
@@ -558,7 +563,7 @@ def test_a_restarted_device_resumes_its_replica_from_its_state_dir(tmp_path) -> 
     before = len(grid.sent)
     strategy.start(grid, strategy.last_arrays, num_rounds=3, first_round=3)
     assert not [r for r in grid.replies if r.has_error()]
-    modes = {m.content["config"][KEY_DOWNLINK] for m in _rounds(grid.sent[before:])}
+    modes = {opened(m.content["config"])[KEY_DOWNLINK] for m in _rounds(grid.sent[before:])}
     assert modes == {DOWNLINK_STEPS}
     _assert_in_sync(strategy.replicas.server, grid)
     # No evaluation this run: every client holds the version before the last step.

@@ -13,6 +13,7 @@ from experiments.inprocess import InProcessGrid, Spy
 from fedcomp.codecs import ErrorFeedback, decode_bytes, make_codec
 from fedcomp.flower.memory_state import MemoryState, load_memory
 from fedcomp.flower.options import ServerOptions
+from fedcomp.flower.reply_format import reply_header
 from fedcomp.flower.strategy import CompressedStrategy
 from fedcomp.flower.validation import sent_payloads
 from fedcomp.keys import KEY_STABLE_ID, RECORD_HEADER
@@ -138,11 +139,11 @@ def test_a_lost_reply_desynchronizes_nothing() -> None:
         if r.metadata.message_type == MessageType.TRAIN
         and r.has_content()
         and RECORD_HEADER in r.content  # not the identity replies
-        and int(r.content[RECORD_HEADER][KEY_STABLE_ID]) == LOST_CLIENT
+        and int(reply_header(r.content)[KEY_STABLE_ID]) == LOST_CLIENT
     ][-1]
     checked = 0
     for name, e3 in lost.pending.items():
-        header = reply.content[RECORD_HEADER]
+        header = reply_header(reply.content)
         payloads = sent_payloads(header, spy.local[LOST_CLIENT], 0)  # the strategy's run seed
         decoded = decode_bytes(payloads[name]).numpy()
         x3 = spy.local[LOST_CLIENT][name] - received[name]

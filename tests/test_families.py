@@ -19,10 +19,9 @@ from fedcomp.codecs import TensorPolicy, make_codec_from_spec
 from fedcomp.flower.families import FAMILIES, family_of
 from fedcomp.flower.families.base import Instruction
 from fedcomp.flower.memory_state import MemoryState
-from fedcomp.flower.reply_format import payloads_of, reply_content
+from fedcomp.flower.reply_format import payloads_of, reply_content, reply_header
 from fedcomp.flower.round_state import RoundState
 from fedcomp.flower.validation import uplink_headers
-from fedcomp.keys import RECORD_HEADER
 from fedcomp.onebit import OneBitCode
 
 SPECS = {
@@ -104,7 +103,7 @@ def test_each_familys_server_half_decodes_what_its_client_half_encoded(name: str
         instruction, deltas, lambda: memory, make_codec_from_spec({"name": "fp32"})
     )
     content = reply_content(encoded.header, encoded.payloads, MetricRecord())
-    header = content[RECORD_HEADER]
+    header = reply_header(content)
     state = RoundState(number=instruction.round, t_start=0.0)
     state.global_arrays = {n: np.zeros(tuple(d.shape), np.float32) for n, d in deltas.items()}
     rule = uplink_headers(

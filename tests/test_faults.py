@@ -14,7 +14,7 @@ from experiments.inprocess import InProcessGrid, Spy, initial_arrays
 from fedcomp.failures import RunFailed
 from fedcomp.flower.options import IdentityOptions, ServerOptions
 from fedcomp.flower.outcome import EARLY_REFUSAL_ROUNDS, fail_if_refusing_everything
-from fedcomp.flower.reply_format import metrics_of, replace_metrics
+from fedcomp.flower.reply_format import metrics_of, replace_metrics, reply_header
 from fedcomp.flower.strategy import CompressedStrategy
 from fedcomp.influence import Influence
 from fedcomp.keys import KEY_NUM_EXAMPLES, KEY_PAYLOADS, RECORD_HEADER
@@ -133,7 +133,7 @@ def test_a_huge_claimed_weight_is_capped_at_a_multiple_of_the_lower_median():
     def claim_huge(pid, reply, instruction):
         header = None if reply.has_error() else reply.content.config_records.get(RECORD_HEADER)
         if pid == 2 and header is not None and KEY_PAYLOADS in header:  # a train reply
-            metrics = metrics_of(header)
+            metrics = metrics_of(reply_header(reply.content))
             metrics[KEY_NUM_EXAMPLES] = 1e9
             replace_metrics(reply.content, metrics)
             return Message(reply.content, reply_to=instruction)

@@ -17,14 +17,13 @@ from clients.client_app import make_client_app
 from experiments.inprocess import InProcessGrid, initial_arrays, set_task_identity
 from fedcomp.data import client_datasets, server_test_set
 from fedcomp.flower.evaluation import pre_train_mean
-from fedcomp.flower.reply_format import metrics_of, replace_metrics
+from fedcomp.flower.reply_format import metrics_of, replace_metrics, reply_header
 from fedcomp.keys import (
     KEY_NUM_EXAMPLES,
     KEY_ROUND,
     METRIC_PRE_TRAIN_ACCURACY,
     METRIC_PRE_TRAIN_EXAMPLES,
     METRIC_PRE_TRAIN_LOSS,
-    RECORD_HEADER,
     RECORD_METRICS,
 )
 from fedcomp.models import build_model
@@ -297,7 +296,7 @@ BAD = 2
 def _tamper_metrics(change):
     def tamper(pid: int, reply: Message, instruction: Message) -> Message:
         if pid == BAD and instruction.metadata.message_type == MessageType.TRAIN:
-            metrics = metrics_of(reply.content[RECORD_HEADER])
+            metrics = metrics_of(reply_header(reply.content))
             change(metrics)
             replace_metrics(reply.content, metrics)
         return reply

@@ -16,7 +16,8 @@ from fedcomp.bundle import pack_bundle
 from fedcomp.codecs import TensorPolicy
 from fedcomp.flower.families.joint import joint_names
 from fedcomp.flower.options import IdentityOptions, ServerOptions
-from fedcomp.flower.reply_format import metrics_of
+from fedcomp.flower.packed import opened
+from fedcomp.flower.reply_format import metrics_of, open_reply, reply_header
 from fedcomp.flower.strategy import CompressedStrategy
 from fedcomp.flower.validation import sent_payloads
 from fedcomp.handoff_options import Aggregation
@@ -85,16 +86,18 @@ def _library_mean(settings, initial, captured, keep):
     arrays = {k: np.asarray(v.numpy()) for k, v in initial.items()}
     names = joint_names(code, TensorPolicy(), arrays)
     train = [(pid, r, m) for pid, r, m in captured if pid in keep and _is_train_reply(r)]
-    first_config = train[0][2].content.config_records["config"]
+    first_config = opened(train[0][2].content.config_records["config"])
     blocks = [code.num_blocks(arrays[n].size) for n in names]
     taus = dict(zip(names, unpack_taus(first_config[KEY_JOINT_TAU], blocks), strict=True))
     out = {}
     for name in names:
         payloads = [
-            bytes(sent_payloads(r.content[RECORD_HEADER], arrays, settings.seed)[name])
+            bytes(sent_payloads(reply_header(r.content), arrays, settings.seed)[name])
             for _, r, _ in train
         ]
-        indices = [int(m.content.config_records["config"][KEY_JOINT_INDEX]) for _, _, m in train]
+        indices = [
+            int(opened(m.content.config_records["config"])[KEY_JOINT_INDEX]) for _, _, m in train
+        ]
         n = int(first_config[KEY_JOINT_CLIENTS])
         out[name] = code.decode_mean(
             payloads,
@@ -103,7 +106,7 @@ def _library_mean(settings, initial, captured, keep):
             seed=joint_seed(settings.seed, 1, name),
             tau=taus[name],
             weights=[
-                float(metrics_of(r.content[RECORD_HEADER])["num-examples"]) for _, r, _ in train
+                float(metrics_of(reply_header(r.content))["num-examples"]) for _, r, _ in train
             ],
             side_center=np.zeros(arrays[name].size),
         ).numpy()
@@ -136,7 +139,7 @@ def test_wrapper_joint_path_equals_the_library_decoder():
     weights = np.array([spy.weight[i] for i in range(N)])
     code = OneBitCode(**{k: v for k, v in SPEC.items() if k != "name"})
     first_config = next(
-        m.content.config_records["config"] for _, r, m in captured if _is_train_reply(r)
+        opened(m.content.config_records["config"]) for _, r, m in captured if _is_train_reply(r)
     )
     blocks = [code.num_blocks(arrays[n].size) for n in names]
     taus = dict(zip(names, unpack_taus(first_config[KEY_JOINT_TAU], blocks), strict=True))
@@ -182,10 +185,10 @@ def test_missing_and_corrupt_replies_use_the_ratio_estimator():
         if pid == 1:
             return None  # dropped
         if pid == 4:  # one flipped bit in the first one-bit payload's header seed
-            header = reply.content[RECORD_HEADER]
+            header = open_reply(reply.content)
             (model,) = instruction.content.array_records.values()
             arrays = {k: v.numpy() for k, v in model.items()}
-            run_seed = instruction.content.config_records["config"][KEY_RUN_SEED]
+            run_seed = opened(instruction.content.config_records["config"])[KEY_RUN_SEED]
             payloads = {n: bytes(p) for n, p in sent_payloads(header, arrays, run_seed).items()}
             name = next(n for n in payloads if len(payloads[n]) > 600)
             data = bytearray(payloads[name])

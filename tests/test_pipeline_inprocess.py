@@ -33,13 +33,16 @@ from fedcomp.flower.mod import CompressionMod
 from fedcomp.flower.options import IdentityOptions, ServerOptions
 from fedcomp.flower.reply_format import (
     metrics_of,
+    open_reply,
     replace_metrics,
+    reply_header,
 )
 from fedcomp.flower.strategy import CompressedStrategy
 from fedcomp.flower.validation import sent_payloads
 from fedcomp.handoff_options import Aggregation
 from fedcomp.keys import (
     KEY_NUM_EXAMPLES,
+    KEY_PACKED,
     KEY_PAYLOADS,
     KEY_STABLE_ID,
     RECORD_HEADER,
@@ -137,7 +140,7 @@ def test_recorded_bytes_equal_the_real_messages() -> None:
     # a compact entry (fedcomp.compact) of an fp32 payload: one byte, then the values
     fp32_packed = sum(1 + 4 * p.numel() for p in model.state_dict().values())
     for reply in _train_only(grid.replies):
-        sid = int(reply.content[RECORD_HEADER][KEY_STABLE_ID])
+        sid = int(reply_header(reply.content)[KEY_STABLE_ID])
         # the entries' bytes: the bundle less its table (magic, version, count, lengths)
         codec_bytes = len(reply.content[RECORD_HEADER][KEY_PAYLOADS]) - 7 - 4 * len(MODEL_NAMES)
         assert rows[sid]["uplink_codec_bytes"] == codec_bytes == fp32_packed
@@ -151,7 +154,7 @@ def test_recorded_bytes_equal_the_real_messages() -> None:
         # The fp32 reference is the app's own reply as plain Flower sends it: the
         # trained model (same shapes as the initial one, so the same object sizes) and
         # the app's metrics, in this reply's Message.
-        sent = metrics_of(reply.content[RECORD_HEADER])
+        sent = metrics_of(reply_header(reply.content))
         user = {k: v for k, v in sent.items() if not k.startswith("fedcomp.")}
         plain = RecordDict(
             {"arrays": ArrayRecord(model.state_dict()), "metrics": MetricRecord(user)}
@@ -186,7 +189,7 @@ MODEL_NAMES = list(MODEL)
 
 
 def _payloads(reply: Message) -> dict[str, bytes]:
-    header = reply.content[RECORD_HEADER]
+    header = reply_header(reply.content)
     return {n: bytes(p) for n, p in sent_payloads(header, MODEL, SETTINGS.seed).items()}
 
 
@@ -252,13 +255,24 @@ def _drop_header(reply: Message) -> Message:
 
 
 def _wrong_id(reply: Message) -> Message:
-    reply.content[RECORD_HEADER][KEY_STABLE_ID] = 99
+    open_reply(reply.content)[KEY_STABLE_ID] = 99
     return reply
+
+
+def _packed(change):
+    """A tamper of the reply header's packed entry (fedcomp.flower.packed)."""
+
+    def tamper(reply: Message) -> Message:
+        header = reply.content[RECORD_HEADER]
+        change(header)
+        return reply
+
+    return tamper
 
 
 def _weight(value: float):
     def tamper(reply: Message) -> Message:
-        metrics = metrics_of(reply.content[RECORD_HEADER])
+        metrics = metrics_of(reply_header(reply.content))
         metrics[KEY_NUM_EXAMPLES] = value
         replace_metrics(reply.content, metrics)
         return reply
@@ -288,6 +302,11 @@ TAMPERS = {
     "wrong_stable_id": _wrong_id,
     "negative_weight": _weight(-5),
     "nan_weight": _weight(math.nan),
+    "packed_truncated": _packed(lambda h: h.update({KEY_PACKED: h[KEY_PACKED][:-1]})),
+    "packed_and_entry": _packed(lambda h: h.update({KEY_STABLE_ID: BAD})),
+    "packed_unknown_tag": _packed(
+        lambda h: h.update({KEY_PACKED: h[KEY_PACKED] + b"\xff\x00\x00"})
+    ),
     "compact_empty": _compact_tamper(lambda e: b""),
     "compact_truncated": _compact_tamper(lambda e: e[:-3]),
     "compact_unknown_codec": _compact_tamper(lambda e: bytes([0x7F]) + e[1:]),
@@ -458,7 +477,7 @@ def test_every_codec_through_the_mod_and_the_wrapper(spec: dict) -> None:
         # spied update (trained - received; the instruction carried the initial model).
         initial0 = {k: np.asarray(v.numpy()) for k, v in _initial(settings).items()}
         for reply in replies:
-            sid = int(reply.content[RECORD_HEADER][KEY_STABLE_ID])
+            sid = int(reply_header(reply.content)[KEY_STABLE_ID])
             num = den = 0.0
             for name, data in _payloads(reply).items():
                 x = (spy.local[sid][name] - initial0[name]).astype(np.float64)
@@ -473,7 +492,7 @@ def test_every_codec_through_the_mod_and_the_wrapper(spec: dict) -> None:
     rows = {row["client"]: row for row in record["per_client"]}
     initial = {k: np.asarray(v.numpy()) for k, v in _initial(settings).items()}
     for reply in replies:
-        sid = int(reply.content[RECORD_HEADER][KEY_STABLE_ID])
+        sid = int(reply_header(reply.content)[KEY_STABLE_ID])
         payloads = _payloads(reply)
         # each payload as a compact entry: its header (fixed part and shape) is one byte
         assert rows[sid]["uplink_codec_bytes"] == sum(
@@ -499,8 +518,7 @@ def test_every_codec_through_the_mod_and_the_wrapper(spec: dict) -> None:
     # values per tensor (integer buffers travel raw in their own dtype), once per
     # decoded reply.
     fp32_one = sum(
-        1 + (4 if a.dtype.kind == "f" else a.itemsize) * a.size
-        for a in initial.values()
+        1 + (4 if a.dtype.kind == "f" else a.itemsize) * a.size for a in initial.values()
     )
     sent = sum(
         len(p) - HEADER_FIXED_BYTES - 4 * initial[n].ndim + 1

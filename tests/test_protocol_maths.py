@@ -28,7 +28,8 @@ from fedcomp.downlink import BroadcastServer, parse_downlink
 from fedcomp.flower.families.joint import joint_names
 from fedcomp.flower.memory_state import load_memory
 from fedcomp.flower.options import IdentityOptions, ServerOptions
-from fedcomp.flower.reply_format import metrics_of
+from fedcomp.flower.packed import opened
+from fedcomp.flower.reply_format import metrics_of, reply_header
 from fedcomp.flower.strategy import CompressedStrategy
 from fedcomp.flower.validation import sent_payloads
 from fedcomp.handoff_options import Aggregation
@@ -40,7 +41,6 @@ from fedcomp.keys import (
     KEY_NUM_EXAMPLES,
     KEY_RESYNC,
     KEY_STABLE_ID,
-    RECORD_HEADER,
 )
 from fedcomp.onebit import OneBitCode
 from fedcomp.onebit.federated import joint_seed, unpack_taus
@@ -155,7 +155,7 @@ def _run(settings: Settings, rounds: int, handoff: str, spy: Spy | None = None):
 
 
 def _sid_weight(reply: Message) -> tuple[int, float]:
-    header = reply.content.config_records[RECORD_HEADER]
+    header = reply_header(reply.content)
     return int(header[KEY_STABLE_ID]), float(metrics_of(header)[KEY_NUM_EXAMPLES])
 
 
@@ -187,7 +187,7 @@ def test_residual_reconstruction_mean_and_mirror_update_follow_their_definitions
         weights: dict[int, float] = {}
         for reply in seen.replies[t]:
             sid, weights[sid] = _sid_weight(reply)
-            header = reply.content.config_records[RECORD_HEADER]
+            header = reply_header(reply.content)
             payloads = sent_payloads(header, glob, settings.seed)
             # Round 1: no state anywhere, a restart from h = 0 (bootstrap "zero"); then
             # a normal reply against the mirror of the version the header states.
@@ -299,7 +299,7 @@ def test_onebit_later_rounds_decode_around_the_previous_aggregate_and_tau_follow
         glob = seen.globals[t]
         plans = {}
         for reply in seen.replies[t]:
-            config = seen.sent[t][reply.metadata.src_node_id].content.config_records["config"]
+            config = opened(seen.sent[t][reply.metadata.src_node_id].content["config"])
             sent_taus = unpack_taus(config[KEY_JOINT_TAU], blocks)
             for name, sent in zip(names, sent_taus, strict=True):
                 assert np.array_equal(sent, tau[name]), (t, name)
@@ -309,7 +309,7 @@ def test_onebit_later_rounds_decode_around_the_previous_aggregate_and_tau_follow
         (handed,) = seen.inner_in[t]  # one pre-aggregated reply
         for name in names:
             payloads = [
-                bytes(sent_payloads(r.content[RECORD_HEADER], seen.globals[t], settings.seed)[name])
+                bytes(sent_payloads(reply_header(r.content), seen.globals[t], settings.seed)[name])
                 for r in sorted(seen.replies[t], key=lambda r: _sid_weight(r)[0])
             ]
             common = {

@@ -20,8 +20,9 @@ from flwr.serverapp import Grid
 
 from fedcomp.flower.identity import DEFAULT_REPLY_TIMEOUT, StableIds
 from fedcomp.flower.replica import ReplicaSender
+from fedcomp.flower.reply_format import reply_header
 from fedcomp.flower.shared_settings import SharedSettings
-from fedcomp.keys import KEY_HANDLES, RECORD_HEADER
+from fedcomp.keys import KEY_HANDLES
 from fedcomp.traffic import Traffic
 
 log = logging.getLogger("fedcomp.flower.strategy")  # one logger for the wrapper's lines
@@ -102,7 +103,7 @@ class ClientHoldings:
         if msg.has_error():
             self.shared.forget(sid)
             return
-        header = msg.content.config_records.get(RECORD_HEADER)
+        header = reply_header(msg.content)
         self.shared.note_reply(sid, header)
         if header is not None and KEY_HANDLES in header:
             self.handles[sid] = frozenset(str(header[KEY_HANDLES]).split(","))

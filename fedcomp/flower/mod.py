@@ -56,6 +56,7 @@ from fedcomp.flower.memory_state import (
     save_memory_file,
     store_memory,
 )
+from fedcomp.flower.packed import PackError, open_instruction, pack_into
 from fedcomp.flower.replica import (
     downlink_config,
     load_replica,
@@ -220,6 +221,10 @@ class CompressionMod:
         kind = msg.metadata.message_type
         if kind not in (MessageType.TRAIN, MessageType.EVALUATE):
             return call_next(msg, ctxt)
+        try:  # fedcomp's fields travel packed (fedcomp.flower.packed): entries again, here
+            open_instruction(msg)
+        except PackError as exc:
+            return _precondition_error(msg, f"CompressionMod: packed fields: {exc}")
         if kind == MessageType.EVALUATE and not _from_wrapper(msg):
             return call_next(msg, ctxt)  # not fedcomp's: untouched
         app = _AppCall(call_next)
@@ -360,7 +365,9 @@ class CompressionMod:
         reply = call_next(msg, ctxt)
         if _names_any(msg, (KEY_SETTINGS,)) and not reply.has_error():
             header = {KEY_STABLE_ID: stable_id_of(ctxt), **holdings}
-            reply.content[RECORD_HEADER] = ConfigRecord(header)
+            record = ConfigRecord(header)
+            pack_into(record)  # fedcomp.flower.packed, as in train replies
+            reply.content[RECORD_HEADER] = record
         return reply
 
     def _read_instruction(self, msg: Message, ctxt: Context) -> Instruction | Message:

@@ -17,6 +17,7 @@ from fedcomp.flower.accounting import count_instructions, record_bytes
 from fedcomp.flower.families.joint import JointRound
 from fedcomp.flower.holdings import ClientHoldings
 from fedcomp.flower.instructions import Instructions, Sampling, sample
+from fedcomp.flower.packed import pack_into
 from fedcomp.flower.replica import ReplicaSender
 from fedcomp.flower.round_records import empty_client_row
 from fedcomp.flower.round_state import RoundState
@@ -116,9 +117,18 @@ class Outbox:
         )
 
     def _carrier(self, model_free: Callable[[int], bool]) -> Callable[[int, Message], int | None]:
-        """What puts the downlink's payload in an instruction (None: the fp32 model
-        stays, as Flower sends it); returns the fp32 instruction's wire bytes."""
+        """What makes an instruction what goes on the wire: the downlink's payload in
+        place of the model (without a downlink codec the fp32 model stays, as Flower
+        sends it), then fedcomp's fields packed (fedcomp.flower.packed). Returns the fp32
+        instruction's wire bytes (None: the message is its own reference)."""
         replicas = self.replicas
-        if replicas is None:
-            return lambda sid, msg: None
-        return lambda sid, msg: replicas.carry(msg, sid, model_free=model_free(sid))
+
+        def carry(sid: int, msg: Message) -> int | None:
+            fp32 = (
+                None if replicas is None else replicas.carry(msg, sid, model_free=model_free(sid))
+            )
+            for record in msg.content.config_records.values():
+                pack_into(record)
+            return fp32
+
+        return carry

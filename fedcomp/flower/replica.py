@@ -37,6 +37,7 @@ from fedcomp.downlink import (
     wire_scale,
 )
 from fedcomp.flower.accounting import wire_bytes
+from fedcomp.flower.reply_format import reply_header
 from fedcomp.keys import (
     DOWNLINK_FULL,
     DOWNLINK_STEPS,
@@ -50,7 +51,6 @@ from fedcomp.keys import (
     KEY_REPLICA_CHECKSUM,
     KEY_REPLICA_VERSION,
     KEY_RUN_SEED,
-    RECORD_HEADER,
 )
 from fedcomp.npzfile import read_npz_meta, write_npz_meta
 
@@ -168,7 +168,7 @@ class ReplicaSender:
         if reply.has_error():
             self.server.forget(client)
             return
-        header = reply.content.config_records.get(RECORD_HEADER)
+        header = reply_header(reply.content)
         if header is None or KEY_REPLICA_VERSION not in header:
             return
         version, digest = header[KEY_REPLICA_VERSION], header.get(KEY_REPLICA_CHECKSUM)

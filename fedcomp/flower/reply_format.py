@@ -19,11 +19,8 @@ from flwr.app import ConfigRecord, MetricRecord, RecordDict
 
 from fedcomp.bundle import pack_bundle, unpack_bundle
 from fedcomp.compact import HeaderRule
-from fedcomp.keys import KEY_PAYLOADS, RECORD_HEADER
-
-#: Header entries holding the reply's metrics: ``METRIC_PREFIX + name`` (the app's own
-#: metrics and fedcomp's measurements; the wrapper rebuilds the MetricRecord).
-METRIC_PREFIX = "metric:"
+from fedcomp.flower.packed import opened, pack_into
+from fedcomp.keys import KEY_PAYLOADS, METRIC_PREFIX, RECORD_HEADER
 
 #: The most payloads a reply read without the model's names may hold (tests, tools).
 MAX_TENSORS = 1 << 16
@@ -37,7 +34,22 @@ def reply_content(
     the metrics."""
     fields = {**header, KEY_PAYLOADS: pack_bundle(payloads, named=False, compact=True)}
     fields.update({METRIC_PREFIX + k: v for k, v in metrics.items()})
-    return RecordDict({RECORD_HEADER: ConfigRecord(fields)})
+    record = ConfigRecord(fields)
+    pack_into(record)  # fedcomp's fields and metrics in one entry (fedcomp.flower.packed)
+    return RecordDict({RECORD_HEADER: record})
+
+
+def reply_header(content: RecordDict) -> ConfigRecord | None:
+    """A reply's header as its readers read it, its packed fields opened (a new
+    record; fedcomp.flower.packed), or None without one.
+
+    Raises
+    ------
+    fedcomp.flower.packed.PackError
+        A packed entry that does not read back.
+    """
+    header = content.config_records.get(RECORD_HEADER)
+    return None if header is None else opened(header)
 
 
 def payloads_of(
@@ -69,9 +81,20 @@ def metrics_of(header: ConfigRecord) -> MetricRecord:
     return MetricRecord(values)
 
 
+def open_reply(content: RecordDict) -> ConfigRecord:
+    """The reply's header, its packed fields opened, in place of the one sent: what a
+    tool or a test that plays a client does before it edits fields (a reply may carry
+    them either way). Returns the header."""
+    header = reply_header(content)
+    if header is None:
+        raise KeyError(f"the reply has no '{RECORD_HEADER}' record")
+    content[RECORD_HEADER] = header
+    return header
+
+
 def replace_metrics(content: RecordDict, metrics: Mapping[str, Any]) -> None:
     """Put other metrics into a reply (in place; tools and tests that play a client)."""
-    header = content[RECORD_HEADER]
+    header = open_reply(content)
     for key in [k for k in header if k.startswith(METRIC_PREFIX)]:
         del header[key]
     header.update({METRIC_PREFIX + k: v for k, v in metrics.items()})

@@ -30,7 +30,8 @@ from fedcomp.codecs.wire import (
 )
 from fedcomp.compact import HeaderRule
 from fedcomp.failures import Failure, Rejection
-from fedcomp.flower.reply_format import metrics_of, payloads_of
+from fedcomp.flower.packed import PackError
+from fedcomp.flower.reply_format import metrics_of, payloads_of, reply_header
 from fedcomp.influence import MAX_NUM_EXAMPLES
 from fedcomp.keys import (
     KEY_NUM_EXAMPLES,
@@ -87,12 +88,7 @@ def check_reply(
     ReplyError
         Naming the first problem found, with its failure kind.
     """
-    header = content.config_records.get(RECORD_HEADER)
-    if header is None:
-        raise ReplyError(
-            f"no '{RECORD_HEADER}' record: add fedcomp.flower.CompressionMod to the ClientApp",
-            Failure.MISSING_MOD,
-        )
+    header = _opened_header(content)
     if header.get(KEY_PROTOCOL) != PROTOCOL_VERSION:
         raise ReplyError(
             f"protocol version {header.get(KEY_PROTOCOL)!r} != {PROTOCOL_VERSION}",
@@ -126,6 +122,20 @@ def check_reply(
     except BundleError as exc:
         raise ReplyError(f"payloads: {exc}") from exc
     return CheckedReply(header, metrics, float(weight), payloads)
+
+
+def _opened_header(content: RecordDict) -> ConfigRecord:
+    """The reply's header, its packed fields opened (fedcomp.flower.packed)."""
+    try:
+        header = reply_header(content)
+    except PackError as exc:
+        raise ReplyError(f"packed header fields: {exc}") from None
+    if header is None:
+        raise ReplyError(
+            f"no '{RECORD_HEADER}' record: add fedcomp.flower.CompressionMod to the ClientApp",
+            Failure.MISSING_MOD,
+        )
+    return header
 
 
 def check_train_metrics(metrics: MetricRecord, max_examples: float = MAX_NUM_EXAMPLES) -> None:
