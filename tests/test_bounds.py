@@ -20,13 +20,15 @@ from fedcomp.codecs.base import JOINT_ONEBIT_ID, codec_names
 from fedcomp.codecs.entropy import max_inner_size
 from fedcomp.codecs.packing import decode_varints, encode_varints, pack_bits
 from fedcomp.codecs.sparse_quantized import BITMAP, GAPS, decode_indices
-from fedcomp.codecs.wire import DTYPE_CODES, MAX_NDIM, Payload, PayloadHeader
+from fedcomp.codecs.wire import DTYPE_CODES, MAX_NDIM, WIRE_VERSION, Payload, PayloadHeader
 from fedcomp.failures import Rejection
 
 _FIXED = struct.Struct("<2sBBBBHQ")  # docs: magic, version, codec id, dtype, ndim, reserved, seed
 
 
-def _header(codec_id=1, dtype=0, shape=(4,), version=1, reserved=0, magic=b"FC", seed=0) -> bytes:
+def _header(
+    codec_id=1, dtype=0, shape=(4,), version=WIRE_VERSION, reserved=0, magic=b"FC", seed=0
+) -> bytes:
     """A payload header written field by field from the documented layout."""
     fixed = _FIXED.pack(magic, version, codec_id, dtype, len(shape), reserved, seed)
     return fixed + struct.pack(f"<{len(shape)}I", *shape)
@@ -74,7 +76,8 @@ def test_magic_version_and_reserved() -> None:
     assert np.array_equal(decode_bytes(good).numpy(), values)
     _refused(_fp32((4,), magic=b"FD")[0], "magic")
     _refused(_fp32((4,), version=0)[0], "version 0")
-    _refused(_fp32((4,), version=2)[0], "version 2")
+    _refused(_fp32((4,), version=WIRE_VERSION - 1)[0], f"version {WIRE_VERSION - 1}")
+    _refused(_fp32((4,), version=WIRE_VERSION + 1)[0], f"version {WIRE_VERSION + 1}")
     _refused(_fp32((4,), reserved=1)[0], "reserved")
 
 

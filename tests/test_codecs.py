@@ -203,13 +203,15 @@ def _layout_size(key: str, x: torch.Tensor) -> int:
         return header + 8 + 4 * blocks + math.ceil(padded * spec["bits"] / 8)
     if name == "rotate":
         padded, _ = _rotation_blocks(n, 1024)
-        inner = 16 + 4 + 6 + 4 * math.ceil(padded / spec["block"]) + padded * spec["bits"] // 8
+        # the inner payload less its header (one byte: codec id, seed flag; format 2)
+        inner = 1 + 6 + 4 * math.ceil(padded / spec["block"]) + padded * spec["bits"] // 8
         return header + 8 + inner
     if name == "subsample":  # k, then the inner codec's payload for the k kept values
         k = max(1, math.ceil(spec["fraction"] * n))
         inner = {k_: v for k_, v in spec.items() if k_ not in ("name", "inner", "fraction")}
         key_inner = next(key for key, s in SPECS.items() if s == {"name": spec["inner"], **inner})
-        return header + 4 + _layout_size(key_inner, torch.zeros(k))
+        inner_header = 16 + 4  # a vector: the reader's, one byte in its place (format 2)
+        return header + 4 + _layout_size(key_inner, torch.zeros(k)) - inner_header + 1
     raise AssertionError(name)
 
 

@@ -272,10 +272,12 @@ def test_the_server_refuses_a_rotated_payload_whose_inner_codec_it_did_not_ask_f
 def test_a_rotated_payload_with_a_mismatched_inner_length_is_a_payload_error() -> None:
     small = bytes(make_codec("uniform", bits=2).encode(torch.randn(512), seed=0))
     outer = bytes(make_codec("rotate", inner="uniform", bits=2).encode(torch.randn(1000), seed=5))
-    # keep the outer header and rotation parameters, put an inner payload of 512 values
-    head = len(outer) - (len(outer) - (16 + 4 + 8))
-    with pytest.raises(PayloadError, match="inner payload"):
-        decode_bytes(outer[:head] + small)
+    # keep the outer header and rotation parameters, put the inner entry (codec id, then
+    # body: fedcomp.codecs.base.pack_inner) of 512 values where 1024 are due
+    head = 16 + 4 + 8
+    entry = bytes([small[3]]) + small[16 + 4 :]
+    with pytest.raises(PayloadError, match="uniform"):
+        decode_bytes(outer[:head] + entry)
 
 
 def _reference_rotation(x: np.ndarray, seed: int, block: int, rotations: int) -> np.ndarray:

@@ -26,9 +26,9 @@ from flwr.common.constant import ErrorCode
 from fedcomp import downlink
 from fedcomp.bundle import pack_bundle, unpack_bundle
 from fedcomp.codecs import PayloadError, TensorPolicy, decode_bytes, make_codec
-from fedcomp.codecs.base import MAX_NESTING
+from fedcomp.codecs.base import MAX_NESTING, pack_inner
 from fedcomp.codecs.entropy import work_size
-from fedcomp.codecs.wire import Payload, PayloadHeader
+from fedcomp.codecs.wire import Payload, PayloadHeader, parse_payload
 from fedcomp.codecs.zstdframes import compress
 from fedcomp.downlink import (
     MAX_STEPS,
@@ -283,7 +283,7 @@ def _stage(kind: str, inner: bytes, numel: int) -> bytes:
     if kind == "entropy":
         body = struct.pack("<BBHI", 1, 3, 0, len(inner)) + compress(inner, 3)
         return bytes(Payload(PayloadHeader(13, torch.float32, (numel,), 0), body))
-    body = struct.pack("<BBHI", 1, 0, 0, 256) + inner
+    body = struct.pack("<BBHI", 1, 0, 0, 256) + pack_inner(parse_payload(inner))
     return bytes(Payload(PayloadHeader(12, torch.float32, (numel,), 0), body))
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fedcomp.codecs import PayloadError, decode_bytes, make_codec, make_codec_from_spec
-from fedcomp.codecs.rotated import inner_seed
+from fedcomp.codecs.base import INNER_SEEDED, inner_seed, parse_inner_vector
 from fedcomp.codecs.sparse import random_subset
 from fedcomp.codecs.wire import HEADER_FIXED_BYTES, SpecMismatch, parse_payload
 
@@ -51,11 +51,14 @@ def test_decode_is_n_over_k_times_the_inner_decode_on_the_seeded_subset(n, fract
     k = max(1, min(n, math.ceil(fraction * n)))
     (k_read,) = struct.unpack_from("<I", payload.body, 0)
     assert k_read == k
-    inner = parse_payload(bytes(payload.body[4:]))
     idx = random_subset(seed, n, k)
-    # the inner payload is the inner codec's on x_S (its own seed), byte for byte
+    # the inner payload is the inner codec's on x_S (its own seed), byte for byte, less
+    # the header its reader rebuilds: one byte (inner codec id, seed flag), then its body
     kept_values = x[torch.from_numpy(idx)].contiguous()
-    assert bytes(inner) == bytes(codec.inner.encode(kept_values, seed=inner_seed(seed)))
+    own = codec.inner.encode(kept_values, seed=inner_seed(seed))
+    assert bytes(payload.body[4:]) == bytes([own.header.codec_id]) + bytes(own.body)
+    inner = parse_inner_vector(type(codec), payload.body[4:], k, seed)
+    assert bytes(inner) == bytes(own)
     expected = torch.zeros(n)
     expected[torch.from_numpy(idx)] = decode_bytes(bytes(inner)) * (n / k)
     got = decode_bytes(bytes(payload))
@@ -125,8 +128,9 @@ def test_bytes_are_header_k_and_the_inner_payload_about_p_inner_bits(n, fraction
     x = _x(n, seed=5)
     payload = bytes(codec.encode(x, seed=9))
     k = math.ceil(fraction * n)
-    inner = bytes(codec.inner.encode(x[:k].contiguous(), seed=1))  # same size on any k values
-    assert len(payload) == HEADER_FIXED_BYTES + 4 + 4 + len(inner)  # header (1 dim), k
+    inner = codec.inner.encode(x[:k].contiguous(), seed=1)  # same size on any k values
+    # header (1 dim), k, the inner codec id and seed flag, the inner body
+    assert len(payload) == HEADER_FIXED_BYTES + 4 + 4 + 1 + len(inner.body)
     # nominal: the inner codec's bits on k values, per coordinate of n
     nominal = codec.inner.nominal_bits(k) * k / n
     assert codec.nominal_bits(n) == pytest.approx(nominal, rel=1e-12)
@@ -183,12 +187,19 @@ def test_a_payload_claiming_more_kept_coordinates_than_the_tensor_is_refused() -
 def test_an_inner_payload_of_another_shape_or_codec_is_refused() -> None:
     codec = _sub("uniform", 0.5, bits=2)
     good = bytes(codec.encode(_x(100), seed=1))
+    # k says 30, the inner body holds 50 values' codes (2 bits each: 13 bytes, not 8)
     with pytest.raises(PayloadError):
-        decode_bytes(_with_k(good, 49))  # k says 49, the inner payload holds 50
+        decode_bytes(_with_k(good, 30))
+    # a k whose codes take the same bytes decodes without context; the server refuses
+    # any k but its spec's before decoding
+    with pytest.raises(SpecMismatch, match="k"):
+        codec.check_payload(parse_payload(_with_k(good, 49)))
     nested = _sub("fp32", 1.0)
     inner_sub = bytes(nested.encode(_x(50), seed=2))
-    wrapped = good[: HEADER_FIXED_BYTES + 4] + struct.pack("<I", 50) + inner_sub
-    with pytest.raises(PayloadError):
+    # a subsample inside the subsample: its entry names the stage itself
+    entry = bytes([nested.codec_id | INNER_SEEDED]) + bytes(parse_payload(inner_sub).body)
+    wrapped = good[: HEADER_FIXED_BYTES + 4] + struct.pack("<I", 50) + entry
+    with pytest.raises(PayloadError, match="inner codec id 16 not allowed"):
         decode_bytes(wrapped)
     with pytest.raises(PayloadError):
         decode_bytes(good[: HEADER_FIXED_BYTES + 4 + 2])  # truncated parameters
@@ -202,11 +213,13 @@ def test_the_server_refuses_another_fraction_inner_codec_or_seed() -> None:
                   _sub("uniform", 0.5, bits=3, block=64)):  # fmt: skip
         with pytest.raises((SpecMismatch, PayloadError)):
             codec.check_payload(other.encode(x, seed=1))
-    # EDEN's public rotation: an inner seed other than the one derived from the outer
+    # EDEN's public rotation: the inner seed is the one derived from the outer, so an
+    # inner entry that says "no seed" is refused
     codec = _sub("eden", 0.5, bits=1)
     payload = codec.encode(x, seed=1)
-    forged = codec.inner.encode(x[:50].contiguous(), seed=inner_seed(1) + 1)
-    body = bytes(payload.body[:4]) + bytes(forged)
+    body = bytearray(payload.body)
+    assert body[4] & INNER_SEEDED
+    body[4] ^= INNER_SEEDED
     head = bytes(payload)[: len(bytes(payload)) - len(payload.body)]
     with pytest.raises(SpecMismatch, match="seed"):
-        codec.check_payload(parse_payload(head + body))
+        codec.check_payload(parse_payload(head + bytes(body)))

@@ -183,22 +183,50 @@ MAX_NESTING = 3
 _ENCLOSING: contextvars.ContextVar[int] = contextvars.ContextVar("fedcomp_enclosing", default=0)
 
 
-def parse_inner_vector(outer: type[Codec], body: memoryview | bytes, n: int) -> Payload:
+def inner_seed(seed: int) -> int:
+    """A stage's inner codec's seed, derived from the stage's own (a different stream)."""
+    return (seed * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) % (1 << 63)
+
+
+#: The flag bit of an inner entry's first byte: the inner payload carries its seed.
+INNER_SEEDED = 0x80
+
+
+def pack_inner(inner: Payload) -> bytes:
+    """A stage's inner payload as its body carries it (payload format 2): one byte, the
+    inner codec id and a flag for "seeded", then the inner body. Its header is what the
+    reader knows: a float32 vector of the length the stage implies, the seed
+    :func:`inner_seed` of the stage's (fedcomp.compact does the same for a message)."""
+    h = inner.header
+    if h.codec_id >= INNER_SEEDED:
+        raise ValueError(f"inner codec id {h.codec_id} does not fit one byte below the flag")
+    return bytes([h.codec_id | (INNER_SEEDED if h.seed else 0)]) + bytes(inner.body)
+
+
+def parse_inner_vector(
+    outer: type[Codec], body: memoryview | bytes, n: int, seed: int
+) -> Payload:
     """The inner payload of a stage that codes a float32 vector of ``n`` values
-    (``rotate``: the padded vector; ``subsample``: the kept values), parsed with its size
-    bounded by ``n``; a known codec, not the stage itself.
+    (``rotate``: the padded vector; ``subsample``: the kept values), from its
+    :func:`pack_inner` entry: the header rebuilt (shape (n,), float32, the seed
+    :func:`inner_seed` of the stage's ``seed`` when flagged), a known codec, not the stage.
 
     Raises
     ------
     PayloadError
-        Another shape or dtype, an unknown codec id, or the stage nested in itself.
+        An empty entry, an unknown codec id, or the stage nested in itself.
     """
-    inner = parse_payload(body, max_numel=n)
-    if inner.header.shape != (n,) or inner.header.dtype != torch.float32:
-        raise PayloadError(
-            f"{outer.name}: the inner payload must hold {n} float32 values, found "
-            f"shape {inner.header.shape} {inner.header.dtype}"
-        )
+    view = memoryview(body)
+    if len(view) == 0:
+        raise PayloadError(f"{outer.name}: the inner payload is missing")
+    first = view[0]
+    header = PayloadHeader(
+        first & (INNER_SEEDED - 1),
+        torch.float32,
+        (n,),
+        inner_seed(seed) if first & INNER_SEEDED else 0,
+    )
+    inner = Payload(header, view[1:])
     inner_cls = _BY_ID.get(inner.header.codec_id)
     if inner_cls is None or inner_cls is outer:
         raise PayloadError(f"{outer.name}: inner codec id {inner.header.codec_id} not allowed")

@@ -11,7 +11,9 @@ Body layout (little-endian), after the common header (its seed is the rotation's
 public seed, checked by the server)::
 
     u8 rotations, u8 0, u16 0, u32 rotation block
-    the inner codec's complete payload for the padded float32 vector (own header)
+    the inner codec's payload for the padded float32 vector, as
+    fedcomp.codecs.base.pack_inner writes it (one byte: inner codec id and seed flag,
+    then its body; payload format 1 carried the inner header in full)
 """
 
 from __future__ import annotations
@@ -21,7 +23,15 @@ from typing import Any
 
 import torch
 
-from fedcomp.codecs.base import Codec, decode_inner, header_for, parse_inner_vector, register
+from fedcomp.codecs.base import (
+    Codec,
+    decode_inner,
+    header_for,
+    inner_seed,
+    pack_inner,
+    parse_inner_vector,
+    register,
+)
 from fedcomp.codecs.blocks import check_range
 from fedcomp.codecs.rotation import (
     MAX_BLOCK,
@@ -34,11 +44,6 @@ from fedcomp.codecs.rotation import (
 from fedcomp.codecs.wire import Payload, PayloadError, check_field
 
 _PARAMS = struct.Struct("<BBHI")
-
-
-def inner_seed(seed: int) -> int:
-    """The inner codec's seed, derived from the rotation's (a different stream)."""
-    return (seed * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) % (1 << 63)
 
 
 @register
@@ -96,7 +101,9 @@ class RotatedCodec(Codec):
             "rotation_block": block,
         }
         padded = padded_length(payload.header.numel, block)
-        return params, parse_inner_vector(cls, body[_PARAMS.size :], padded)
+        return params, parse_inner_vector(
+            cls, body[_PARAMS.size :], padded, payload.header.seed
+        )
 
     @classmethod
     def read_params(cls, payload: Payload) -> dict[str, int]:
@@ -135,7 +142,7 @@ class RotatedCodec(Codec):
         y = rotate(x, seed=seed, block=self.rotation_block, rotations=self.rotations)
         inner = self.inner.encode(y, seed=inner_seed(seed))
         params = _PARAMS.pack(self.rotations, 0, 0, self.rotation_block)
-        return Payload(header_for(self.codec_id, x, seed), params + bytes(inner))
+        return Payload(header_for(self.codec_id, x, seed), params + pack_inner(inner))
 
     @classmethod
     def decode_payload(cls, payload: Payload) -> torch.Tensor:

@@ -18,7 +18,10 @@ Body layout (little-endian), after the common header (its seed is the subset's p
 seed, checked by the server)::
 
     u32 k
-    the inner codec's complete payload for the k kept values, float32, in index order
+    the inner codec's payload for the k kept values, float32, in index order, as
+    fedcomp.codecs.base.pack_inner writes it: one byte (inner codec id, seed flag),
+    then its body (its header, a float32 vector of k values seeded inner_seed(seed),
+    is the reader's; payload format 1 carried it in full)
 """
 
 from __future__ import annotations
@@ -28,9 +31,16 @@ from typing import Any
 
 import torch
 
-from fedcomp.codecs.base import Codec, decode_inner, header_for, parse_inner_vector, register
+from fedcomp.codecs.base import (
+    Codec,
+    decode_inner,
+    header_for,
+    inner_seed,
+    pack_inner,
+    parse_inner_vector,
+    register,
+)
 from fedcomp.codecs.blocks import check_finite
-from fedcomp.codecs.rotated import inner_seed
 from fedcomp.codecs.sparse import kept, random_subset
 from fedcomp.codecs.wire import Payload, PayloadError, check_field
 
@@ -89,7 +99,7 @@ class SubsampledCodec(Codec):
         numel = payload.header.numel
         if not (0 < k <= numel or k == numel == 0):
             raise PayloadError(f"{cls.name}: keeps {k} of {numel} coordinates")
-        return k, parse_inner_vector(cls, body[_PARAMS.size :], k)
+        return k, parse_inner_vector(cls, body[_PARAMS.size :], k, payload.header.seed)
 
     @classmethod
     def read_params(cls, payload: Payload) -> dict[str, int]:
@@ -128,7 +138,7 @@ class SubsampledCodec(Codec):
         k = kept_count(flat.numel(), self.fraction)
         idx = torch.from_numpy(random_subset(seed, flat.numel(), k))
         inner = self.inner.encode(flat[idx].contiguous(), seed=inner_seed(seed))
-        return Payload(header_for(self.codec_id, x, seed), _PARAMS.pack(k) + bytes(inner))
+        return Payload(header_for(self.codec_id, x, seed), _PARAMS.pack(k) + pack_inner(inner))
 
     @classmethod
     def decode_payload(cls, payload: Payload) -> torch.Tensor:

@@ -33,7 +33,9 @@ MAGIC = b"FC"
 #: shape, so an untrusted shape must be bounded BEFORE decoding allocates it; the server
 #: passes the global model's exact size instead.
 DEFAULT_MAX_NUMEL = 1 << 28
-WIRE_VERSION = 1
+#: 2: stages (rotate, subsample) carry their inner payload without its header
+#: (fedcomp.codecs.base.pack_inner); 1: with it.
+WIRE_VERSION = 2
 MAX_NDIM = 8
 _FIXED = struct.Struct("<2sBBBBHQ")
 HEADER_FIXED_BYTES = _FIXED.size
