@@ -19,6 +19,7 @@ the rebuilt one, so a hostile entry can claim nothing a full payload could not.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 from fedcomp.codecs.wire import HEADER_FIXED_BYTES, PayloadHeader, parse_payload
@@ -28,6 +29,9 @@ from fedcomp.codecs.wire import HEADER_FIXED_BYTES, PayloadHeader, parse_payload
 SEEDED = 0x80
 #: The largest codec id a compact entry can name (ids are one byte below the flag).
 MAX_CODEC_ID = SEEDED - 1
+#: No bound on the claimed size: these functions read payloads their caller wrote or
+#: already checked (parse_payload's default bound is for untrusted buffers).
+_ANY_SIZE = sys.maxsize
 
 #: The reader's side: (entry name, codec id, seeded) -> the header the payload had.
 #: Raises ValueError for an entry it cannot place (an unknown name).
@@ -42,7 +46,7 @@ def compact_entry(payload: bytes | bytearray | memoryview) -> bytes:
     ValueError
         A payload that does not parse, or a codec id above :data:`MAX_CODEC_ID`.
     """
-    parsed = parse_payload(payload)
+    parsed = parse_payload(payload, max_numel=_ANY_SIZE)  # the writer's own payload
     codec_id = parsed.header.codec_id
     if codec_id > MAX_CODEC_ID:
         raise ValueError(f"codec id {codec_id} does not fit a compact entry (max {MAX_CODEC_ID})")
@@ -53,7 +57,7 @@ def compact_entry(payload: bytes | bytearray | memoryview) -> bytes:
 def entry_size(payload: bytes | bytearray | memoryview) -> int:
     """The bytes a (well-formed) payload takes as a compact entry: what a message of
     protocol 4 carries for it, the figure a round's codec bytes add up."""
-    header = parse_payload(payload).header
+    header = parse_payload(payload, max_numel=_ANY_SIZE).header
     return len(payload) - HEADER_FIXED_BYTES - 4 * len(header.shape) + 1
 
 

@@ -168,3 +168,30 @@ def test_a_rule_that_refuses_is_a_bundle_error():
         unpack_bundle(
             emptied, max_entries=2, names=list(MODEL), headers=uplink_headers(MODEL, 0, 1, 2)
         )
+
+
+def test_a_replys_codec_bytes_are_what_its_bundle_carried_in_either_form() -> None:
+    from flwr.app import MetricRecord
+
+    from fedcomp.flower.reply_format import reply_content
+    from fedcomp.flower.validation import check_reply
+    from fedcomp.keys import (
+        KEY_NUM_EXAMPLES,
+        KEY_PAYLOADS,
+        KEY_PROTOCOL,
+        KEY_ROUND,
+        KEY_STABLE_ID,
+        PROTOCOL_VERSION,
+        RECORD_HEADER,
+    )
+
+    payloads = _replies(lambda n: derive_seed(4, 3, 8, n) if n == "a.weight" else 0)
+    header = {KEY_PROTOCOL: PROTOCOL_VERSION, KEY_STABLE_ID: 8, KEY_ROUND: 3}
+    content = reply_content(header, payloads, MetricRecord({KEY_NUM_EXAMPLES: 5}))
+    rule = uplink_headers(MODEL, 4, 3, 8)
+    compact = check_reply(content, 8, 3, list(MODEL), headers=rule)
+    assert compact.sent_bytes == sum(len(compact_entry(p)) for p in payloads.values())
+    content[RECORD_HEADER][KEY_PAYLOADS] = pack_bundle(payloads, named=False)  # in full
+    full = check_reply(content, 8, 3, list(MODEL), headers=rule)
+    assert full.sent_bytes == sum(len(p) for p in payloads.values()) > compact.sent_bytes
+    assert {n: bytes(p) for n, p in full.payloads.items()} == payloads

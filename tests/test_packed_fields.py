@@ -21,7 +21,14 @@ from fedcomp.flower.packed import (
     pack_into,
     unpack_fields,
 )
-from fedcomp.keys import KEY_PACKED, KEY_ROUND, KEY_SETTINGS, KEY_STABLE_ID, PACKED_FIELDS
+from fedcomp.keys import (
+    KEY_PACKED,
+    KEY_PROTOCOL,
+    KEY_ROUND,
+    KEY_SETTINGS,
+    KEY_STABLE_ID,
+    PACKED_FIELDS,
+)
 
 
 def _varint(n: int) -> bytes:
@@ -152,8 +159,13 @@ def test_a_field_both_packed_and_an_entry_is_refused_and_non_bytes_too() -> None
         opened(record)
     with pytest.raises(PackError, match="not bytes"):
         opened(ConfigRecord({KEY_PACKED: "text"}))
-    with pytest.raises(PackError, match="already holds"):
-        pack_into(ConfigRecord({KEY_PACKED: b"", KEY_ROUND: 1}))
+    # the writer packing again merges what is packed with the new entries, which win
+    record = ConfigRecord({KEY_PACKED: _valid(), "lr": 0.5})
+    record[KEY_PROTOCOL], record[KEY_ROUND] = 5, 9
+    pack_into(record)
+    assert set(record) == {KEY_PACKED, "lr"}
+    expected = {**unpack_fields(_valid()), KEY_PROTOCOL: 5, KEY_ROUND: 9}
+    assert unpack_fields(record[KEY_PACKED]) == expected
 
 
 def test_an_instruction_is_opened_whole_or_not_at_all() -> None:

@@ -105,6 +105,7 @@ class ReplyDecoder:
             msg,
             header=checked.header,
             payloads=checked.payloads,
+            codec_bytes=checked.sent_bytes,
             joint=update.joint,
             pending=update.pending,
             sync=update.sync,

@@ -124,11 +124,14 @@ class Outbox:
         replicas = self.replicas
 
         def carry(sid: int, msg: Message) -> int | None:
-            fp32 = (
-                None if replicas is None else replicas.carry(msg, sid, model_free=model_free(sid))
-            )
-            for record in msg.content.config_records.values():
+            records = msg.content.config_records.values()
+            for record in records:  # the fp32 reference is this message, fields packed
                 pack_into(record)
+            fp32 = None
+            if replicas is not None:
+                fp32 = replicas.carry(msg, sid, model_free=model_free(sid))
+                for record in records:  # and the downlink's own fields with them
+                    pack_into(record)
             return fp32
 
         return carry

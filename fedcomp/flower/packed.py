@@ -93,11 +93,18 @@ def pack_fields(fields: Mapping[str, Any]) -> tuple[bytes, dict[str, Any]]:
 
 
 def pack_into(record: ConfigRecord) -> None:
-    """Pack ``record``'s packable fields into its :data:`KEY_PACKED` entry, in place
-    (nothing changes when none packs)."""
-    if KEY_PACKED in record:
-        raise PackError(f"the record already holds a '{KEY_PACKED}' entry")
-    blob, rest = pack_fields(dict(record))
+    """Pack ``record``'s packable fields, with those it already holds packed, into its
+    :data:`KEY_PACKED` entry, in place (nothing changes when none packs). The writer's
+    side: an entry set since the last packing replaces the packed value of its field.
+
+    Raises
+    ------
+    PackError
+        The record's packed entry does not read back.
+    """
+    packed = unpack_fields(record[KEY_PACKED]) if KEY_PACKED in record else {}
+    plain = {k: v for k, v in record.items() if k != KEY_PACKED}
+    blob, rest = pack_fields({**packed, **plain})
     if not blob:
         return
     record.clear()

@@ -234,12 +234,14 @@ def rebuild_model(
         raise ReplicaError("no replica here (new, wiped or restarted): send the model")
     steps = _step_headers(_field(config, KEY_DOWNLINK_STEPS, str), list(held))
     check_chain(steps, version)
-    _index_payloads(blob, steps, held, _field(config, KEY_RUN_SEED, int))
     from_zero = steps[0].source == 0 if steps else version == 0
     # Steps from version 0: the server believes this client holds nothing, so a held
     # replica (e.g. a file another run left in a shared state directory) is not used.
     if initial is not None and from_zero:  # version 0, built here
         replica = zero if zero is not None else _version_zero(initial)
+    # the payload headers are the tensors' the steps apply to (fedcomp.compact)
+    base = replica.arrays if replica.arrays is not None else held
+    _index_payloads(blob, steps, base, _field(config, KEY_RUN_SEED, int))
     new = replica.take_steps(steps, version, digest, codec=codec, policy=policy)
     del config[KEY_DOWNLINK_PAYLOADS]  # the app's handler sees the model, not the steps
     msg.content[arrays_key] = ArrayRecord({k: Array(v) for k, v in (new.arrays or {}).items()})

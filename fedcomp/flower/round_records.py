@@ -7,7 +7,6 @@ from typing import Any
 
 from flwr.app import MetricRecord
 
-from fedcomp.compact import entry_size
 from fedcomp.controlvariates import ControlVariateServer
 from fedcomp.flower.accounting import wire_and_objects
 from fedcomp.flower.reference import ReplyReference
@@ -64,7 +63,7 @@ def account_reply(
     reply with the app's own content, what plain Flower would have sent (its wire
     bytes = the reply's minus its content's plus the plain content's)."""
     # the payloads as the message carried them (compact entries: fedcomp.compact)
-    row["uplink_codec_bytes"] = sum(entry_size(p) for p in item.payloads.values())
+    row["uplink_codec_bytes"] = item.codec_bytes
     row["encode_s"] = float(metrics.get(METRIC_ENCODE_S, 0.0))
     row["num_examples"] = int(weight)
     for key in _COPIED:

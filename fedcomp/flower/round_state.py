@@ -32,6 +32,8 @@ class Decoded:
     #: again (streaming) is not validated again.
     header: ConfigRecord = field(default_factory=ConfigRecord)
     payloads: dict[str, memoryview] = field(default_factory=dict)
+    #: The bytes those payloads took in the message (validation.CheckedReply.sent_bytes).
+    codec_bytes: int = 0
     #: Joint codes: the checked one-bit payloads, decoded together at hand-over.
     joint: dict[str, bytes] = field(default_factory=dict)
     #: Residual memory: the mirror this reply moves the client to, stored only once

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from flwr.app import ConfigRecord, MetricRecord, RecordDict
 
-from fedcomp.bundle import BundleError
+from fedcomp.bundle import BundleError, unpack_bundle
 from fedcomp.codecs import Codec, TensorPolicy, parse_payload
 from fedcomp.codecs.base import JOINT_ONEBIT_ID
 from fedcomp.codecs.dense import RawCodec
@@ -35,6 +35,7 @@ from fedcomp.flower.reply_format import metrics_of, payloads_of, reply_header
 from fedcomp.influence import MAX_NUM_EXAMPLES
 from fedcomp.keys import (
     KEY_NUM_EXAMPLES,
+    KEY_PAYLOADS,
     KEY_PROTOCOL,
     KEY_ROUND,
     KEY_STABLE_ID,
@@ -65,8 +66,12 @@ class CheckedReply:
     header: ConfigRecord
     metrics: MetricRecord
     weight: float
-    #: Per tensor of the model, in its order, the payload (a view into the bundle).
+    #: Per tensor of the model, in its order, the payload (a view into the bundle, or a
+    #: compact entry's payload rebuilt).
     payloads: dict[str, memoryview]
+    #: The bytes the payloads took in the message (a compact entry's, or a full
+    #: payload's in a bundle that carried them so): the reply's codec bytes.
+    sent_bytes: int = 0
 
 
 def check_reply(
@@ -119,9 +124,13 @@ def check_reply(
     check_train_metrics(metrics, max_weight)
     try:
         payloads = payloads_of(header, names, headers)
+        stored = unpack_bundle(
+            header[KEY_PAYLOADS], max_entries=len(names), names=names, expand=False
+        )
     except BundleError as exc:
         raise ReplyError(f"payloads: {exc}") from exc
-    return CheckedReply(header, metrics, float(weight), payloads)
+    sent = sum(len(entry) for entry in stored.values())
+    return CheckedReply(header, metrics, float(weight), payloads, sent)
 
 
 def _opened_header(content: RecordDict) -> ConfigRecord:
