@@ -195,3 +195,12 @@ def test_a_replys_codec_bytes_are_what_its_bundle_carried_in_either_form() -> No
     full = check_reply(content, 8, 3, list(MODEL), headers=rule)
     assert full.sent_bytes == sum(len(p) for p in payloads.values()) > compact.sent_bytes
     assert {n: bytes(p) for n, p in full.payloads.items()} == payloads
+
+
+def test_a_tensor_beyond_the_untrusted_size_bound_still_packs() -> None:
+    """The writer's own payload of a huge tensor (an embedding of 2^28 + 1 values):
+    compacting it must not apply the bound meant for untrusted buffers."""
+    header = PayloadHeader(RawCodec.codec_id, torch.float32, ((1 << 28) + 1,), 0)
+    full = header.pack() + b"\x00" * 8  # the header is what is read; no body is needed
+    assert compact_entry(full) == b"\x00" + b"\x00" * 8
+    assert entry_size(full) == 9
