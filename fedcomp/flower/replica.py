@@ -228,6 +228,24 @@ def rebuild_model(
     blob = config.get(KEY_DOWNLINK_PAYLOADS)
     if blob is None:
         raise ReplicaError(f"a '{DOWNLINK_STEPS}' instruction without '{KEY_DOWNLINK_PAYLOADS}'")
+    steps, replica, tensors = _steps_and_base(config, replica, initial, version)
+    # the payload headers are the tensors' the steps apply to (fedcomp.compact)
+    _index_payloads(blob, steps, tensors, _field(config, KEY_RUN_SEED, int))
+    new = replica.take_steps(steps, version, digest, codec=codec, policy=policy)
+    del config[KEY_DOWNLINK_PAYLOADS]  # the app's handler sees the model, not the steps
+    msg.content[arrays_key] = ArrayRecord({k: Array(v) for k, v in (new.arrays or {}).items()})
+    return new
+
+
+def _steps_and_base(
+    config: ConfigRecord,
+    replica: Replica,
+    initial: Callable[[], Mapping[str, np.ndarray]] | None,
+    version: int,
+) -> tuple[list[Step], Replica, Mapping[str, np.ndarray]]:
+    """The instruction's steps, checked to chain to ``version``; the replica they apply
+    to (version 0 built here, ``initial``, when they start from it); and the model's
+    tensors, whose shapes and dtypes the step payloads' headers take."""
     zero = _version_zero(initial) if initial is not None and replica.arrays is None else None
     held = replica.arrays if zero is None else zero.arrays  # the model's tensors
     if held is None:
@@ -239,13 +257,7 @@ def rebuild_model(
     # replica (e.g. a file another run left in a shared state directory) is not used.
     if initial is not None and from_zero:  # version 0, built here
         replica = zero if zero is not None else _version_zero(initial)
-    # the payload headers are the tensors' the steps apply to (fedcomp.compact)
-    base = replica.arrays if replica.arrays is not None else held
-    _index_payloads(blob, steps, base, _field(config, KEY_RUN_SEED, int))
-    new = replica.take_steps(steps, version, digest, codec=codec, policy=policy)
-    del config[KEY_DOWNLINK_PAYLOADS]  # the app's handler sees the model, not the steps
-    msg.content[arrays_key] = ArrayRecord({k: Array(v) for k, v in (new.arrays or {}).items()})
-    return new
+    return steps, replica, replica.arrays if replica.arrays is not None else held
 
 
 def _version_zero(initial: Callable[[], Mapping[str, np.ndarray]]) -> Replica:
