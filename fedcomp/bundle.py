@@ -63,11 +63,13 @@ def pack_bundle(
     *,
     named: bool = True,
     compact: bool = False,
+    stored: bool = False,
 ) -> bytes:
     """One bytes value holding every named payload, in the mapping's order; with
     ``named=False`` a positional bundle (version 2): the names are not written, the
     reader passes them; with ``compact=True`` too, each payload is written as a
-    compact entry (version 3; the payloads must be fedcomp payloads).
+    compact entry (version 3; the payloads must be fedcomp payloads), or, with
+    ``stored=True``, the items already are compact entries and are written as they are.
 
     Raises
     ------
@@ -75,9 +77,9 @@ def pack_bundle(
         A name longer than :data:`MAX_NAME_BYTES`, a payload of 4 GiB or more, a
         compact bundle with names, or a payload a compact entry cannot hold.
     """
-    if compact:
-        if named:
-            raise BundleError("a compact bundle is positional (named=False)")
+    if compact and named:
+        raise BundleError("a compact bundle is positional (named=False)")
+    if compact and not stored:
         try:
             items = {name: compact_entry(payload) for name, payload in items.items()}
         except ValueError as exc:
@@ -118,13 +120,9 @@ def repack_like(
     message's payloads writes back, so the message keeps its format. ``items`` are full
     payloads, or with ``stored=True`` entries as the bundle stores them (a compact
     bundle's compact entries: ``unpack_bundle(..., expand=False)``)."""
-    compact = is_compact(blob)
-    if compact and stored:
-        # the entries as they are: version 3's table around them, nothing re-encoded
-        table = [_SIZE.pack(len(e)) for e in items.values()]
-        head = _HEAD.pack(BUNDLE_MAGIC, COMPACT_VERSION, len(items))
-        return b"".join([head, *table, *(bytes(e) for e in items.values())])
-    return pack_bundle(items, named=not is_positional(blob), compact=compact)
+    return pack_bundle(
+        items, named=not is_positional(blob), compact=is_compact(blob), stored=stored
+    )
 
 
 def unpack_bundle(
@@ -158,8 +156,6 @@ def unpack_bundle(
         ``headers``, or an entry they refuse.
     """
     view, version, count = _read_head(blob)
-    if version == COMPACT_VERSION and headers is None and expand and count:
-        raise BundleError("a compact bundle, read without the rule for its payload headers")
     expected = max_entries if names is None else len(names)
     if count > max_entries or (names is not None and count != expected):
         bound = f"at most {max_entries}" if names is None else f"exactly {expected}"
@@ -180,13 +176,30 @@ def unpack_bundle(
     for name, size in entries:
         out[name] = view[offset : offset + size]
         offset += size
-    if version == COMPACT_VERSION and expand and out:
-        assert headers is not None  # refused above
-        try:
-            return {name: memoryview(expand_entry(e, name, headers)) for name, e in out.items()}
-        except ValueError as exc:
-            raise BundleError(str(exc)) from exc
+    if version == COMPACT_VERSION and expand:
+        return expand_entries(out, headers)
     return out
+
+
+def expand_entries(
+    entries: Mapping[str, memoryview], headers: HeaderRule | None
+) -> dict[str, memoryview]:
+    """A compact bundle's entries (``unpack_bundle(..., expand=False)``) as full
+    payloads, each header rebuilt by ``headers`` (fedcomp.compact).
+
+    Raises
+    ------
+    BundleError
+        Entries without ``headers``, or an entry they refuse.
+    """
+    if not entries:
+        return {}
+    if headers is None:
+        raise BundleError("a compact bundle, read without the rule for its payload headers")
+    try:
+        return {n: memoryview(expand_entry(e, n, headers)) for n, e in entries.items()}
+    except ValueError as exc:
+        raise BundleError(str(exc)) from exc
 
 
 def _read_head(blob: object) -> tuple[memoryview, int, int]:

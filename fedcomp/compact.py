@@ -22,13 +22,18 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from fedcomp.codecs.wire import HEADER_FIXED_BYTES, PayloadHeader, parse_payload
+from fedcomp.codecs.wire import (
+    HEADER_FIXED_BYTES,
+    MAX_CODEC_ID,
+    SEEDED,
+    PayloadHeader,
+    compact_bytes,
+    compact_parts,
+    parse_payload,
+)
 
-#: The flag bit of an entry's first byte: the payload carries a public seed (the
-#: reader's), not 0.
-SEEDED = 0x80
-#: The largest codec id a compact entry can name (ids are one byte below the flag).
-MAX_CODEC_ID = SEEDED - 1
+__all__ = ["MAX_CODEC_ID", "SEEDED", "HeaderRule", "compact_entry", "entry_size", "expand_entry"]
+
 #: No bound on the claimed size: these functions read payloads their caller wrote or
 #: already checked (parse_payload's default bound is for untrusted buffers).
 _ANY_SIZE = sys.maxsize
@@ -46,12 +51,7 @@ def compact_entry(payload: bytes | bytearray | memoryview) -> bytes:
     ValueError
         A payload that does not parse, or a codec id above :data:`MAX_CODEC_ID`.
     """
-    parsed = parse_payload(payload, max_numel=_ANY_SIZE)  # the writer's own payload
-    codec_id = parsed.header.codec_id
-    if codec_id > MAX_CODEC_ID:
-        raise ValueError(f"codec id {codec_id} does not fit a compact entry (max {MAX_CODEC_ID})")
-    first = codec_id | (SEEDED if parsed.header.seed else 0)
-    return bytes([first]) + bytes(parsed.body)
+    return compact_bytes(parse_payload(payload, max_numel=_ANY_SIZE))  # the writer's own
 
 
 def entry_size(payload: bytes | bytearray | memoryview) -> int:
@@ -70,8 +70,8 @@ def expand_entry(entry: bytes | memoryview, name: str, rule: HeaderRule) -> byte
     ValueError
         An empty entry, or whatever ``rule`` refuses.
     """
-    if len(entry) == 0:
-        raise ValueError(f"{name}: an empty compact entry (its codec id is missing)")
-    first = entry[0]
-    header = rule(name, first & MAX_CODEC_ID, bool(first & SEEDED))
-    return header.pack() + bytes(entry[1:])
+    try:
+        codec_id, seeded, body = compact_parts(entry)
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
+    return rule(name, codec_id, seeded).pack() + bytes(body)

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from fedcomp.codecs import PayloadError, decode_bytes, make_codec, make_codec_from_spec
-from fedcomp.codecs.base import INNER_SEEDED, inner_seed, parse_inner_vector
+from fedcomp.codecs.base import inner_seed, parse_inner_vector
 from fedcomp.codecs.sparse import random_subset
 from fedcomp.codecs.wire import HEADER_FIXED_BYTES, SpecMismatch, parse_payload
+from fedcomp.codecs.wire import SEEDED as INNER_SEEDED
 
 SIGMAS = 5.0  # Monte-Carlo band in standard errors (as tests/test_codec_factors.py)
 
@@ -223,3 +224,17 @@ def test_the_server_refuses_another_fraction_inner_codec_or_seed() -> None:
     head = bytes(payload)[: len(bytes(payload)) - len(payload.body)]
     with pytest.raises(SpecMismatch, match="seed"):
         codec.check_payload(parse_payload(head + bytes(body)))
+
+
+def test_an_inner_code_that_draws_gets_the_seed_derived_from_the_subsets() -> None:
+    """The inner entry carries no seed, only a flag: the reader's rebuilt inner payload
+    is, byte for byte, the one the inner codec made with inner_seed(seed)."""
+    codec, seed, n = _sub("eden", 0.25, bits=1), 4242, 2000
+    x = _x(n, seed=8)
+    payload = codec.encode(x, seed=seed)
+    k = math.ceil(0.25 * n)
+    kept_values = x[torch.from_numpy(random_subset(seed, n, k))].contiguous()
+    own = codec.inner.encode(kept_values, seed=inner_seed(seed))
+    rebuilt = parse_inner_vector(type(codec), payload.body[4:], k, seed)
+    assert rebuilt.header.seed == inner_seed(seed) != seed
+    assert bytes(rebuilt) == bytes(own)

@@ -15,6 +15,8 @@ from fedcomp.codecs.wire import (
     PayloadError,
     PayloadHeader,
     check_field,
+    compact_bytes,
+    compact_parts,
     parse_payload,
 )
 
@@ -188,24 +190,14 @@ def inner_seed(seed: int) -> int:
     return (seed * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) % (1 << 63)
 
 
-#: The flag bit of an inner entry's first byte: the inner payload carries its seed.
-INNER_SEEDED = 0x80
-
-
 def pack_inner(inner: Payload) -> bytes:
-    """A stage's inner payload as its body carries it (payload format 2): one byte, the
-    inner codec id and a flag for "seeded", then the inner body. Its header is what the
-    reader knows: a float32 vector of the length the stage implies, the seed
-    :func:`inner_seed` of the stage's (fedcomp.compact does the same for a message)."""
-    h = inner.header
-    if h.codec_id >= INNER_SEEDED:
-        raise ValueError(f"inner codec id {h.codec_id} does not fit one byte below the flag")
-    return bytes([h.codec_id | (INNER_SEEDED if h.seed else 0)]) + bytes(inner.body)
+    """A stage's inner payload as its body carries it (payload format 2): a compact
+    entry (wire.compact_bytes). Its header is what the reader knows: a float32 vector
+    of the length the stage implies, seeded :func:`inner_seed` of the stage's seed."""
+    return compact_bytes(inner)
 
 
-def parse_inner_vector(
-    outer: type[Codec], body: memoryview | bytes, n: int, seed: int
-) -> Payload:
+def parse_inner_vector(outer: type[Codec], body: memoryview | bytes, n: int, seed: int) -> Payload:
     """The inner payload of a stage that codes a float32 vector of ``n`` values
     (``rotate``: the padded vector; ``subsample``: the kept values), from its
     :func:`pack_inner` entry: the header rebuilt (shape (n,), float32, the seed
@@ -216,17 +208,12 @@ def parse_inner_vector(
     PayloadError
         An empty entry, an unknown codec id, or the stage nested in itself.
     """
-    view = memoryview(body)
-    if len(view) == 0:
-        raise PayloadError(f"{outer.name}: the inner payload is missing")
-    first = view[0]
-    header = PayloadHeader(
-        first & (INNER_SEEDED - 1),
-        torch.float32,
-        (n,),
-        inner_seed(seed) if first & INNER_SEEDED else 0,
-    )
-    inner = Payload(header, view[1:])
+    try:
+        codec_id, seeded, inner_body = compact_parts(body)
+    except PayloadError as exc:
+        raise PayloadError(f"{outer.name}: the inner payload: {exc}") from None
+    header = PayloadHeader(codec_id, torch.float32, (n,), inner_seed(seed) if seeded else 0)
+    inner = Payload(header, inner_body)
     inner_cls = _BY_ID.get(inner.header.codec_id)
     if inner_cls is None or inner_cls is outer:
         raise PayloadError(f"{outer.name}: inner codec id {inner.header.codec_id} not allowed")

@@ -125,6 +125,44 @@ class Payload:
         return HEADER_FIXED_BYTES + 4 * len(self.header.shape) + len(self.body)
 
 
+#: The flag bit of a compact entry's first byte (:func:`compact_bytes`): the payload
+#: carries a public seed, the one its reader derives.
+SEEDED = 0x80
+#: The largest codec id a compact entry can name (ids are one byte below the flag).
+MAX_CODEC_ID = SEEDED - 1
+
+
+def compact_bytes(payload: Payload) -> bytes:
+    """A payload less the header its reader knows: one byte (its codec id, and
+    :data:`SEEDED` when it carries a seed), then its body. A message's payloads
+    (fedcomp.compact) and a stage's inner payload (fedcomp.codecs.base.pack_inner)
+    travel so; :func:`compact_parts` is the other half.
+
+    Raises
+    ------
+    ValueError
+        A codec id above :data:`MAX_CODEC_ID`.
+    """
+    h = payload.header
+    if h.codec_id > MAX_CODEC_ID:
+        raise ValueError(f"codec id {h.codec_id} does not fit a compact entry (max {MAX_CODEC_ID})")
+    return bytes([h.codec_id | (SEEDED if h.seed else 0)]) + bytes(payload.body)
+
+
+def compact_parts(entry: bytes | memoryview) -> tuple[int, bool, memoryview]:
+    """A compact entry's codec id, whether it carries a seed, and its body (a view).
+
+    Raises
+    ------
+    PayloadError
+        An empty entry (its codec id is missing).
+    """
+    view = memoryview(entry)
+    if len(view) == 0:
+        raise PayloadError("an empty compact entry (its codec id is missing)")
+    return view[0] & MAX_CODEC_ID, bool(view[0] & SEEDED), view[1:]
+
+
 def parse_payload(
     buf: bytes | bytearray | memoryview, max_numel: int = DEFAULT_MAX_NUMEL
 ) -> Payload:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from flwr.app import ConfigRecord, MetricRecord, RecordDict
 
-from fedcomp.bundle import BundleError, unpack_bundle
+from fedcomp.bundle import BundleError, expand_entries, is_compact, unpack_bundle
 from fedcomp.codecs import Codec, TensorPolicy, parse_payload
 from fedcomp.codecs.base import JOINT_ONEBIT_ID
 from fedcomp.codecs.dense import RawCodec
@@ -122,14 +122,13 @@ def check_reply(
             Failure.BAD_WEIGHT,
         )
     check_train_metrics(metrics, max_weight)
+    blob = header.get(KEY_PAYLOADS)
     try:
-        payloads = payloads_of(header, names, headers)
-        stored = unpack_bundle(
-            header[KEY_PAYLOADS], max_entries=len(names), names=names, expand=False
-        )
+        stored = unpack_bundle(blob, max_entries=len(names), names=names, expand=False)
+        payloads = expand_entries(stored, headers) if is_compact(blob) else stored
     except BundleError as exc:
         raise ReplyError(f"payloads: {exc}") from exc
-    sent = sum(len(entry) for entry in stored.values())
+    sent = sum(len(entry) for entry in stored.values())  # as the message carried them
     return CheckedReply(header, metrics, float(weight), payloads, sent)
 
 
