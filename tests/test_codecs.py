@@ -20,7 +20,7 @@ from fedcomp.codecs.packing import (
     packed_size,
     unpack_bits,
 )
-from fedcomp.codecs.sparse import random_subset
+from fedcomp.codecs.sparse import _threshold_subset, random_subset
 
 SPECS = {
     "fp32": {},
@@ -255,19 +255,53 @@ def test_topk_keeps_the_largest_and_codes_indices_compactly() -> None:
     assert index_bytes < 2 * 100  # about one byte per gap at this density, not 8
 
 
-def test_random_subset_is_uniform_distinct_and_reproducible() -> None:
-    n, k, trials = 50, 10, 4000
+def _assert_uniform_k_subsets(draw, n: int, k: int, trials: int) -> None:
+    """``draw(seed)`` gives k distinct sorted indices in [0, n), uniform over k-subsets:
+    every index with probability k/n (chi-square over indices and over blocks of 64
+    against the hypergeometric variance, at about 5 sigma), every adjacent pair with
+    probability k(k-1)/(n(n-1))."""
     counts = np.zeros(n)
+    pairs = 0
     for seed in range(trials):
-        idx = random_subset(seed, n, k)
-        assert idx.size == k and np.all(np.diff(idx) > 0) and idx.max() < n
+        idx = draw(seed)
+        assert idx.size == k and np.all(np.diff(idx) > 0) and idx[0] >= 0 and idx[-1] < n
         counts[idx] += 1
-    assert np.array_equal(random_subset(17, n, k), random_subset(17, n, k))
-    # Each index is picked with probability k/n: a chi-square test at about 5 sigma.
-    expected = trials * k / n
-    chi2 = float(((counts - expected) ** 2 / expected).sum())
-    dof = n - 1
-    assert chi2 < dof + 5 * math.sqrt(2 * dof)
+        pairs += int(np.count_nonzero(np.diff(idx) == 1))
+    assert np.array_equal(draw(17), draw(17))
+    blocks = counts[: n - n % 64].reshape(-1, 64).sum(axis=1)
+    q = k / n
+    for size, cells in [(1, counts), (64, blocks)][: 2 if blocks.size > 1 else 1]:
+        # a cell of `size` indices holds a hypergeometric count in each draw
+        var = trials * size * q * (1 - q) * (n - size) / (n - 1)
+        chi2 = float(((cells - trials * size * q) ** 2 / var).sum())
+        dof = cells.size - 1
+        assert chi2 < dof + 5 * math.sqrt(2 * dof)
+    p_pair = k * (k - 1) / (n * (n - 1))
+    mean = trials * (n - 1) * p_pair
+    # overlapping pairs are positively correlated: three times the independent variance
+    assert abs(pairs - mean) < 5 * math.sqrt(3 * mean)
+
+
+def test_random_subset_is_uniform_distinct_and_reproducible() -> None:
+    # numel <= 10,000: numpy's Floyd sampler
+    _assert_uniform_k_subsets(lambda seed: random_subset(seed, 50, 10), 50, 10, 4000)
+
+
+@pytest.mark.parametrize("n, k", [(10_240, 2_560), (10_007, 9_000), (12_000, 601)])
+def test_large_share_subsets_are_uniform(n: int, k: int) -> None:
+    # above numel / 20 of more than 10,000 coordinates: a level on 8-bit keys, thinned
+    _assert_uniform_k_subsets(lambda seed: random_subset(seed, n, k), n, k, 300)
+
+
+def test_large_share_subsets_stay_uniform_when_the_first_level_falls_short() -> None:
+    # a margin of -4 standard deviations: the first level keeps fewer than k almost always,
+    # so the level is raised before the surplus is dropped
+    n, k = 10_240, 2_560
+
+    def draw(seed: int) -> np.ndarray:
+        return _threshold_subset(np.random.Philox(seed), n, k, margin=-4.0)
+
+    _assert_uniform_k_subsets(draw, n, k, 300)
 
 
 UNBIASED = [

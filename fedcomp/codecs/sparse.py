@@ -53,20 +53,58 @@ def _read_values(body: memoryview, offset: int, count: int) -> torch.Tensor:
     return torch.from_numpy(values)
 
 
+# numpy's exact k-subset sampler is Floyd's algorithm (O(k)) while k <= numel / 20 or
+# numel <= 10,000; beyond that it shuffles a tail of the whole range (random access, then
+# a sort: 0.38 s for a quarter of 25M coordinates, six times 1-bit EDEN's encode). There
+# a level on a stream of 8-bit keys is sequential work instead (about 0.07 s).
+_FLOYD_MAX_NUMEL = 10_000
+_FLOYD_MAX_SHARE = 20
+_KEY_LEVELS = 1 << 8
+
+
 def random_subset(seed: int, numel: int, k: int) -> np.ndarray:
     """k distinct indices in [0, numel), uniform over k-subsets, sorted.
 
-    numpy's ``Generator.choice(replace=False, shuffle=False)`` on a counter-based Philox
-    stream (a set-based Floyd sampler: O(k), 7x faster than sorting deduplicated draws
-    here). Client and server regenerate the same subset from the seed as long as they
-    run the same numpy release (its sampling algorithms are not frozen across releases;
-    the seed check then still holds, so a mismatch shows up as a worse model, never as a
-    crash: pin numpy in deployments, as constraints.txt does).
+    Drawn from a counter-based Philox stream seeded ``seed``, so client and server
+    regenerate the same subset. Small shares (``k <= numel / 20`` or ``numel <=
+    10,000``) use numpy's ``Generator.choice(replace=False, shuffle=False)`` (Floyd's
+    set-based sampler, O(k)); larger ones ``_threshold_subset``. numpy's sampling
+    algorithms are not frozen across releases; the seed check then still holds, so a
+    mismatch shows up as a worse model, never as a crash: pin numpy in deployments, as
+    constraints.txt does.
     """
     if not 0 <= k <= numel:
         raise ValueError(f"cannot pick {k} of {numel} indices")
-    rng = np.random.Generator(np.random.Philox(seed))
-    return np.sort(rng.choice(numel, size=k, replace=False, shuffle=False))
+    bits = np.random.Philox(seed)
+    if numel <= _FLOYD_MAX_NUMEL or k <= numel // _FLOYD_MAX_SHARE:
+        rng = np.random.Generator(bits)
+        return np.sort(rng.choice(numel, size=k, replace=False, shuffle=False))
+    return _threshold_subset(bits, numel, k)
+
+
+def _threshold_subset(
+    bits: np.random.Philox, numel: int, k: int, margin: float = 4.0
+) -> np.ndarray:
+    """A uniform k-subset: the indices whose key is at most a level, thinned to exactly k.
+
+    Every index gets an 8-bit key, a byte of the stream's raw words (little-endian, so
+    the subset does not depend on the machine). The level is set so that about
+    ``margin`` standard deviations more than k keys fall at or below it (raised, with a
+    new pass, in the rare draw where fewer do); the surplus is dropped uniformly, from
+    the same stream. Keys are i.i.d. and the level depends only on counts, so the law of
+    the result is invariant under any permutation of the indices: uniform over
+    k-subsets, whatever the margin (it only trades a second pass against a larger drop).
+    """
+    keys = bits.random_raw(-(-numel // 8)).astype("<u8", copy=False).view(np.uint8)[:numel]
+    want = k + margin * math.sqrt(k) + 1.0
+    top = min(math.ceil(want / numel * _KEY_LEVELS) - 1, _KEY_LEVELS - 1)
+    idx = np.flatnonzero(keys <= top)
+    while idx.size < k:  # the last level keeps every index, so this ends
+        top = min(2 * top + 1, _KEY_LEVELS - 1)
+        idx = np.flatnonzero(keys <= top)
+    rng = np.random.Generator(bits)  # the stream continues after the keys
+    surplus = rng.choice(idx.size, size=idx.size - k, replace=False, shuffle=False)
+    return np.delete(idx, surplus)
 
 
 class _Sparsifier(Codec):
