@@ -235,7 +235,8 @@ class PendingMirror:
 
 
 class ControlVariateServer:
-    """Reconstruct ghat_m = h_m + decode(q_m) and keep the mirrors in step.
+    """Reconstruct ghat_m = h_m + decode(q_m) (ef21: the new mirror) and keep the
+    mirrors in step.
 
     Parameters
     ----------
@@ -281,7 +282,7 @@ class ControlVariateServer:
                 k: apply_residual(None, v, self.memory.alpha_for(v.size))
                 for k, v in decoded.items()
             }
-            return ghat, PendingMirror(stable_id, Mirror(1, arrays))
+            return self._estimate(ghat, arrays), PendingMirror(stable_id, Mirror(1, arrays))
         if sync != SYNC_NORMAL:  # the client's state is unknown: start both over
             self.resync_requested.add(stable_id)
             raise ResyncRequired(f"unknown sync mode {sync!r}: resync requested")
@@ -291,7 +292,15 @@ class ControlVariateServer:
             h = mirror.arrays[name]
             ghat[name] = (h + r_hat.astype(np.float32, copy=False)).astype(np.float32)
             updated[name] = apply_residual(h, r_hat, self.memory.alpha_for(h.size))
-        return ghat, PendingMirror(stable_id, Mirror(mirror.version + 1, updated))
+        return self._estimate(ghat, updated), PendingMirror(
+            stable_id, Mirror(mirror.version + 1, updated)
+        )
+
+    def _estimate(
+        self, unbiased: dict[str, np.ndarray], mirror: dict[str, np.ndarray]
+    ) -> dict[str, np.ndarray]:
+        """The client's update: h + decode(q) (residual), or the new mirror (ef21)."""
+        return mirror if self.memory.estimate_is_mirror else unbiased
 
     def _matching_mirror(
         self, stable_id: int, decoded: Mapping[str, np.ndarray], version: int, checksum: str

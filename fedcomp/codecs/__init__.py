@@ -35,6 +35,7 @@ from fedcomp.codecs.base import (
     decode_bytes,
 )
 from fedcomp.codecs.dgc import DGCMemory
+from fedcomp.codecs.ef21 import EF21Memory
 from fedcomp.codecs.entropy import DEFAULT_LEVEL, EntropyCodec
 from fedcomp.codecs.lowrank import PowerSGDMemory
 from fedcomp.codecs.memory import ErrorFeedback, Memory
@@ -46,7 +47,7 @@ from fedcomp.codecs.wire import Payload, PayloadError, PayloadHeader, parse_payl
 from fedcomp.rules import JOINT_CODES as _JOINT_CODES
 
 #: Memory names accepted by make_codec, with the inner codec given as ``inner=<name>``.
-MEMORIES = ("ef", "residual", "dgc")
+MEMORIES = ("ef", "residual", "ef21", "dgc")
 #: Joint codes: no per-client decoder; the server decodes all replies together.
 JOINT_CODES = _JOINT_CODES
 
@@ -144,13 +145,16 @@ def _make_memory(name: str, params: dict[str, Any]) -> Memory:
         return PowerSGDMemory(**params)
     inner = params.pop("inner", None)
     own = {"dgc": ("momentum", "clip", "warmup_rounds", "warmup_start"),
-           "residual": ("alpha", "bootstrap")}.get(name, ())  # fmt: skip
+           "residual": ("alpha", "bootstrap"),
+           "ef21": ("momentum", "alpha", "bootstrap")}.get(name, ())  # fmt: skip
     options = {k: params.pop(k) for k in own if k in params}
     codec = _inner_codec(name, inner, params)
     if name == "ef":
         return ErrorFeedback(codec)
     if name == "dgc":
         return DGCMemory(codec, **options)
+    if name == "ef21":
+        return EF21Memory(codec, **options)
     return ResidualMemory(codec, **options)
 
 
@@ -207,6 +211,7 @@ __all__ = [
     "JOINT_CODES",
     "Codec",
     "DGCMemory",
+    "EF21Memory",
     "ErrorFeedback",
     "Memory",
     "Payload",

@@ -38,6 +38,9 @@ class Codec(ABC):
     family: ClassVar[str] = "stateless"
     #: True when E[decode(encode(x))] = x (a claim backed by a test).
     unbiased: ClassVar[bool]
+    #: True when E||decode(encode(x)) - x||^2 < ||x||^2 for every finite x != 0 (a
+    #: contraction, what EF21 needs at step 1; a claim backed by a test).
+    contractive: ClassVar[bool] = False
     #: True when decode regenerates public draws from the seed in the header; the
     #: server then checks that seed against the one it derives itself.
     needs_seed: ClassVar[bool] = False

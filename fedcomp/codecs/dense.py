@@ -44,6 +44,7 @@ class RawCodec(Codec):
 
     codec_id = 0
     name = "raw"
+    contractive = True
     unbiased = True
 
     def encode(self, x: torch.Tensor, *, seed: int = 0) -> Payload:
@@ -64,6 +65,7 @@ class Fp32Codec(Codec):
 
     codec_id = 1
     name = "fp32"
+    contractive = True
     unbiased = True
 
     def encode(self, x: torch.Tensor, *, seed: int = 0) -> Payload:
@@ -125,3 +127,6 @@ class Bf16Codec(_CastCodec):
     codec_id = 3
     name = "bf16"
     wire_dtype = torch.bfloat16
+    # float32's range: no finite value rounds to zero or overflows (fp16's underflow
+    # sends a tensor of tiny values to 0, an error as large as the tensor: not claimed)
+    contractive = True

@@ -286,6 +286,8 @@ class EdenCodec(Codec):
         # about 2.6% on Student-t(3) blocks of 256, far beyond the Monte Carlo spread;
         # tests/test_codecs_rotation.py); with two it is within the spread.
         self.unbiased = scale == "unbiased" and rotations == 2
+        # the least-squares scale: each rotated block's error is ||y||^2 - <y,c>^2/||c||^2
+        self.contractive = scale == "mse"
 
     def spec(self) -> dict:
         return {

@@ -60,6 +60,7 @@ class EntropyCodec(Codec):
         zstd("codec entropy=zstd")  # a missing package is a settings error, not a failed round
         self.inner, self.method, self.level = inner, method, level
         self.unbiased = inner.unbiased
+        self.contractive = inner.contractive
         self.needs_seed = inner.needs_seed
 
     def spec(self) -> dict[str, Any]:

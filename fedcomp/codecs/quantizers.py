@@ -318,6 +318,8 @@ class SignCodec(Codec):
     codec_id = 6
     name = "sign"
     unbiased = False
+    # per block, ||x - m sign(x)||^2 = ||x||^2 - b m^2 with m the block's mean |x|
+    contractive = True
 
     def __init__(self, block: int = 1024) -> None:
         self.block = check_block(block)

@@ -71,8 +71,24 @@ class ResidualMemory(Memory):
 
     name = "residual"
     family = "residual"
+    #: The server's update from a client is h + decode(q) (ef21's: the new mirror).
+    estimate_is_mirror = False
 
     def __init__(self, inner: Codec, alpha: float | None = None, bootstrap: str = "zero") -> None:
+        self.check_inner(inner, alpha)
+        if alpha is not None and not (isinstance(alpha, int | float) and 0 < alpha <= 1):
+            raise ValueError(f"{self.name}: alpha must be in (0, 1], got {alpha!r}")
+        if bootstrap not in BOOTSTRAPS:
+            raise ValueError(
+                f"{self.name}: bootstrap={bootstrap!r}; allowed: {', '.join(BOOTSTRAPS)}"
+            )
+        self.inner = inner
+        self.alpha = alpha
+        self.bootstrap = bootstrap
+        self._warned: set[int] = set()
+
+    def check_inner(self, inner: Codec, alpha: float | None) -> None:
+        """Refuse an inner codec the method's estimate cannot be unbiased with."""
         if not isinstance(inner, Codec):
             raise ValueError(
                 f"residual: inner must be a stateless codec, got {type(inner).__name__} "
@@ -82,7 +98,7 @@ class ResidualMemory(Memory):
             raise ValueError(
                 f"residual: inner codec {inner.name!r} is not unbiased; use uniform, qsgd, "
                 "randk, eden with scale=unbiased, or subsample of one of them (the "
-                "reconstruction h + decode(q) must be unbiased)"
+                "reconstruction h + decode(q) must be unbiased), or ef21 around it"
             )
         if inner.variance_factor(1) is None and alpha is None:
             # EDEN's Hadamard rotations claim no bound on omega, so 1/(1+omega) has no
@@ -92,14 +108,6 @@ class ResidualMemory(Memory):
                 "alpha cannot default to 1/(1+omega); give alpha in (0, 1], e.g. "
                 "1/(1+omega) with omega measured (docs/residual.md)"
             )
-        if alpha is not None and not (isinstance(alpha, int | float) and 0 < alpha <= 1):
-            raise ValueError(f"residual: alpha must be in (0, 1], got {alpha!r}")
-        if bootstrap not in BOOTSTRAPS:
-            raise ValueError(f"residual: bootstrap={bootstrap!r}; allowed: {', '.join(BOOTSTRAPS)}")
-        self.inner = inner
-        self.alpha = alpha
-        self.bootstrap = bootstrap
-        self._warned: set[int] = set()
 
     def spec(self) -> dict[str, Any]:
         spec = {"name": self.name, **inner_fields(self.inner)}
@@ -126,7 +134,7 @@ class ResidualMemory(Memory):
         if self.alpha > limit * (1 + 1e-12) and numel not in self._warned:
             self._warned.add(numel)
             warnings.warn(
-                f"residual: alpha={self.alpha} exceeds the convergence limit "
+                f"{self.name}: alpha={self.alpha} exceeds the convergence limit "
                 f"1/(1+omega)={limit:.4g} for tensors of {numel} elements",
                 stacklevel=2,
             )

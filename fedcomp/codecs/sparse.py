@@ -142,6 +142,7 @@ class TopKCodec(_Sparsifier):
 
     codec_id = 7
     name = "topk"
+    contractive = True  # ||x - topk(x)||^2 <= (1 - k/n) ||x||^2
     unbiased = False
 
     def nominal_bits(self, numel: int) -> float:

@@ -7,6 +7,7 @@ stateless      fp32, bf16, uniform, qsgd, topk, ...   :mod:`.stateless`
 feedback       ef (error feedback around any codec)   :mod:`.feedback`
 tensor_state   dgc, powersgd                          :mod:`.feedback`
 residual       residual (control variates)            :mod:`.residual`
+ef21           ef21 (EF21, EF21-SGDM)                 :mod:`.residual`
 joint          onebit                                 :mod:`.joint`
 =============  =====================================  ==================================
 
@@ -22,7 +23,7 @@ from typing import Any
 from fedcomp.flower.families.base import DecodedUpdate, Encoded, Family, Instruction, ServerHalf
 from fedcomp.flower.families.feedback import FeedbackFamily, TensorStateFamily
 from fedcomp.flower.families.joint import JointFamily
-from fedcomp.flower.families.residual import ResidualFamily
+from fedcomp.flower.families.residual import EF21Family, ResidualFamily
 from fedcomp.flower.families.stateless import StatelessFamily
 
 FAMILIES: dict[str, type[Family]] = {
@@ -30,6 +31,7 @@ FAMILIES: dict[str, type[Family]] = {
     "feedback": FeedbackFamily,
     "tensor_state": TensorStateFamily,
     "residual": ResidualFamily,
+    "ef21": EF21Family,
     "joint": JointFamily,
 }
 

@@ -17,10 +17,12 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from flwr.app import ConfigRecord
 
 from fedcomp.codecs import Codec, TensorPolicy, make_codec_from_spec
+from fedcomp.codecs.ef21 import MOMENTUM_SUFFIX, momentum_average
 from fedcomp.codecs.residual import SYNC_FULL, SYNC_NORMAL
 from fedcomp.controlvariates import (
     ControlVariateServer,
@@ -41,6 +43,7 @@ from fedcomp.flower.families.base import (
     ServerHalf,
 )
 from fedcomp.flower.families.feedback import FeedbackServer
+from fedcomp.flower.memory_state import MemoryState
 from fedcomp.flower.validation import ReplyError, compressed_names
 from fedcomp.keys import KEY_ACK_ROUND, KEY_CV_CHECKSUM, KEY_CV_VERSION, KEY_RESYNC
 
@@ -114,9 +117,27 @@ class ResidualFamily(Family):
         fp32: Codec,
     ) -> Encoded:
         """The client half on this reply; the mod only adapts it to the message."""
-        codec, policy, config = self.codec, instruction.policy, instruction.config
+        memory, h = self.begin(instruction, load_memory)
+        return self.encode_against(instruction, deltas, memory, h, fp32)
+
+    def begin(
+        self, instruction: Instruction, load_memory: LoadMemory
+    ) -> tuple[MemoryState, dict[str, np.ndarray]]:
+        """The client's memory after the server's acknowledgement, and its state."""
         memory = load_memory()
-        h = memory.begin_round(int(config.get(KEY_ACK_ROUND, -1)), json.dumps(codec.spec()))
+        ack = int(instruction.config.get(KEY_ACK_ROUND, -1))
+        return memory, memory.begin_round(ack, json.dumps(self.codec.spec()))
+
+    def encode_against(
+        self,
+        instruction: Instruction,
+        deltas: dict[str, torch.Tensor],
+        memory: MemoryState,
+        h: dict[str, np.ndarray],
+        fp32: Codec,
+    ) -> Encoded:
+        """Encode ``deltas`` against the control variate ``h`` (memory's committed one)."""
+        codec, policy, config = self.codec, instruction.policy, instruction.config
         covered = covered_tensors(deltas, policy, codec.inner)
         sync = choose_sync(
             version=memory.version,
@@ -151,3 +172,27 @@ class ResidualFamily(Family):
         self, policy: TensorPolicy | None, run_seed: int, mirror_dir: str | None
     ) -> ServerHalf:
         return ResidualServer(self.codec, policy, run_seed, mirror_dir)
+
+
+class EF21Family(ResidualFamily):
+    """Both halves of ef21: residual's, with the client's momentum average as the input.
+
+    The server half is residual's (its estimate is the mirror, as the memory says); the
+    client keeps v beside g (fedcomp.codecs.ef21) and commits both on the same ack.
+    """
+
+    def encode(
+        self,
+        instruction: Instruction,
+        deltas: dict[str, torch.Tensor],
+        load_memory: LoadMemory,
+        fp32: Codec,
+    ) -> Encoded:
+        memory, state = self.begin(instruction, load_memory)
+        h = {n: a for n, a in state.items() if not n.endswith(MOMENTUM_SUFFIX)}
+        eta = self.codec.momentum
+        v = {n: momentum_average(state.get(n + MOMENTUM_SUFFIX), d, eta) for n, d in deltas.items()}
+        encoded = self.encode_against(instruction, v, memory, h, fp32)
+        if eta != 1.0:
+            encoded.pending.update({n + MOMENTUM_SUFFIX: x.numpy() for n, x in v.items()})
+        return encoded
