@@ -858,3 +858,65 @@ def test_a_component_that_ignores_sigterm_is_killed_after_the_stop_timeout(tmp_p
     assert comps[1].proc.returncode == -signal.SIGTERM
     (pid,) = child
     assert not Path(f"/proc/{pid}").exists() or _zombie(pid)
+
+
+def test_supernodes_are_stopped_before_the_superlink_so_their_sign_off_arrives(
+    tmp_path: Path,
+) -> None:
+    """The launcher's stop order: a SuperNode signs off on SIGTERM (flwr 1.42 sends
+    DeactivateNode and UnregisterNode from its connection's ``finally``), which needs
+    the SuperLink still up. Stubs: a "SuperLink" that writes down what it receives and
+    dies at SIGTERM, and a "SuperNode" that on SIGTERM takes a moment (as flwr's exit
+    handlers do) and then sends its sign-off. Signalled together (the launcher's old
+    stop), the sign-off met a closed port; stopped nodes first, it arrives."""
+    from experiments.deployment.launcher import SUPERLINK, stop_deployment
+    from experiments.deployment.processes import start_component
+
+    port = free_port("127.0.0.1")
+    link_code = (
+        "import socket, sys;"
+        "s = socket.create_server(('127.0.0.1', int(sys.argv[1])));"
+        "print('ready', flush=True)\n"
+        "while True:\n"
+        "    c, _ = s.accept(); print('got', c.recv(100).decode(), flush=True); c.close()"
+    )
+    node_code = (
+        "import signal, socket, sys, time\n"
+        "def bye(*_):\n"
+        "    time.sleep(0.5)\n"
+        "    try:\n"
+        "        link = ('127.0.0.1', int(sys.argv[1]))\n"
+        "        socket.create_connection(link, timeout=5).sendall(b'sign-off')\n"
+        "        print('signed off', flush=True)\n"
+        "    except OSError as exc:\n"
+        "        print('sign-off failed:', exc, flush=True)\n"
+        "    sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, bye)\n"
+        "print('ready', flush=True)\n"
+        "while True: time.sleep(0.1)"
+    )
+    env = child_env({})
+    link = start_component(
+        SUPERLINK, [sys.executable, "-c", link_code, str(port)], tmp_path / "link.log", port, env
+    )
+    comps = [link]
+    for i in range(2):
+        comps.append(
+            start_component(
+                f"SuperNode {i}",
+                [sys.executable, "-c", node_code, str(port)],
+                tmp_path / f"n{i}.log",
+                0,
+                env,
+            )
+        )
+    deadline = time.monotonic() + 120  # a generous bound: they print at once
+    while not all("ready" in c.log_path.read_text() for c in comps):
+        assert time.monotonic() < deadline, "the stub components never printed 'ready'"
+        time.sleep(0.1)
+    assert stop_deployment(comps, grace_s=10.0) == []
+    for node in comps[1:]:
+        assert node.proc.returncode == 0
+        assert "signed off" in node.log_path.read_text()
+    assert link.log_path.read_text().count("got sign-off") == 2
+    assert link.proc.returncode == -signal.SIGTERM

@@ -48,7 +48,7 @@ from experiments.deployment.processes import (
     signals_ignored,
     signals_raise,
     start_component,
-    stop_components,
+    stop_in_stages,
     tail,
 )
 from experiments.deployment.settings import (
@@ -72,6 +72,9 @@ POLL_S = 0.5
 
 
 STATUS_EVERY_S = 10.0
+
+#: The SuperLink component's name (:func:`stop_deployment` stops it last).
+SUPERLINK = "SuperLink"
 
 
 @dataclass
@@ -212,7 +215,7 @@ def launch(
     with signals_raise():
         try:
             argv = superlink_argv(deployment, port)
-            link = start_component("SuperLink", argv, deploy_dir / "superlink.log", port, env)
+            link = start_component(SUPERLINK, argv, deploy_dir / "superlink.log", port, env)
             st.components.append(link)
             scheme = "https" if deployment.tls.enabled else "http"
             url = f"{scheme}://{host_port(connect_host(sl.host), port)}/health"
@@ -258,7 +261,7 @@ def launch(
                 failure, results = exc, salvaged_results(results_path)
         finally:
             with signals_ignored():
-                st.survivors = stop_components(st.components, deployment.stop_timeout)
+                st.survivors = stop_deployment(st.components, deployment.stop_timeout)
                 if proxy is not None:  # after the nodes: their sign-off is counted too
                     proxy.stop()
                 remove_connection(flwr_home, st.connection)
@@ -282,6 +285,21 @@ def launch(
     if failure is not None:
         raise failure
     return results
+
+
+def stop_deployment(components: list[Component], grace_s: float) -> list[int]:
+    """Stop the SuperNodes (and wait for them), then the SuperLink; the survivors.
+
+    On SIGTERM a SuperNode signs off: flwr 1.42's exit handler raises ``SystemExit``
+    in its main loop, and the connection's ``finally`` sends ``DeactivateNode`` and
+    ``UnregisterNode`` (``flwr/supernode/fleet_http_connection.py``), which needs the
+    SuperLink still up. Signalled together, the SuperLink was gone before the nodes
+    signed off: their sign-off calls met a refused connection (0-byte connections at
+    the proxy, ``teardown_bytes`` 0). Each stage gets ``grace_s`` seconds.
+    """
+    links = [c for c in components if c.name == SUPERLINK]
+    nodes = [c for c in components if c.name != SUPERLINK]
+    return stop_in_stages([nodes, links], grace_s)
 
 
 def salvaged_results(results_path: Path) -> dict[str, Any]:

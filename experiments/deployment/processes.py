@@ -226,11 +226,11 @@ def _alive(pid: int) -> bool:
 def stop_components(components: list[Component], grace_s: float) -> list[int]:
     """SIGTERM every component with its group and descendants, SIGKILL what remains.
 
-    All components are signalled at once (SuperNodes first) and given ``grace_s``
-    seconds together. Descendants are tracked from a snapshot taken before the
-    signal, since a SuperExec in its own session is reparented when its parent exits
-    and would otherwise be lost. Returns the pids that survived even SIGKILL
-    (normally none).
+    All the given components are signalled at once and given ``grace_s`` seconds
+    together (:func:`stop_in_stages` stops groups of them one after the other).
+    Descendants are tracked from a snapshot taken before the signal, since a SuperExec
+    in its own session is reparented when its parent exits and would otherwise be
+    lost. Returns the pids that survived even SIGKILL (normally none).
     """
     if not components:
         return []
@@ -261,6 +261,20 @@ def stop_components(components: list[Component], grace_s: float) -> list[int]:
     for comp in components:
         log.info("stopped %s (pid %d, exit code %s)", comp.name, comp.proc.pid, comp.proc.poll())
     return sorted(p for p in rest if _alive(p))
+
+
+def stop_in_stages(stages: list[list[Component]], grace_s: float) -> list[int]:
+    """:func:`stop_components` on each stage in turn, each given ``grace_s`` seconds
+    and waited for before the next stage is signalled; returns every survivor.
+
+    The launcher's stages are the SuperNodes, then the SuperLink: a SuperNode's
+    sign-off (DeactivateNode, UnregisterNode) on SIGTERM needs the SuperLink still
+    up, so stopping both at once loses it.
+    """
+    survivors: list[int] = []
+    for stage in stages:
+        survivors += stop_components(stage, grace_s)
+    return survivors
 
 
 @contextlib.contextmanager
