@@ -55,6 +55,7 @@ NO_FACTOR = {
     "fp16": "biased: round to nearest",
     "bf16": "biased: round to nearest",
     "eden": "no bound is claimed for the Hadamard rotation (measured instead)",
+    "adaptive": "EDEN's codes: no bound is claimed for the Hadamard rotation",
 }
 #: Registered codecs with a factor, tested in this file (the stages delegate).
 #: (subsample: tests/test_subsample.py)

@@ -42,6 +42,7 @@ SPECS = {
     "eden1": {"name": "eden", "bits": 1, "block": 256},
     "eden3mse": {"name": "eden", "bits": 3, "scale": "mse", "block": 512, "rotations": 2},
     "rotate_uniform2": {"name": "rotate", "inner": "uniform", "bits": 2, "block": 64},
+    "adaptive": {"name": "adaptive", "bits": 2.0, "block": 256},
     "subsample_eden1": {
         "name": "subsample",
         "inner": "eden",
@@ -102,7 +103,7 @@ def test_roundtrip_keeps_shape_and_dtype(key: str, kind: str) -> None:
         _assert_matrix_values(key, codec, x, y)
     if kind in ("all_zero", "empty"):
         assert torch.equal(y, torch.zeros_like(x))
-    rotated = key.startswith(("eden", "rotate"))  # a rotated constant is not constant
+    rotated = key.startswith(("eden", "rotate", "adaptive"))  # a rotated constant is not constant
     if (
         kind == "constant"
         and not rotated
@@ -206,6 +207,10 @@ def _layout_size(key: str, x: torch.Tensor) -> int:
         # the inner payload less its header (one byte: codec id, seed flag; format 2)
         inner = 1 + 6 + 4 * math.ceil(padded / spec["block"]) + padded * spec["bits"] // 8
         return header + 8 + inner
+    if name == "adaptive":  # a lone tensor: EDEN at the widest width the budget pays,
+        # its payload for the flattened tensor less its header (format 2: one byte)
+        padded, blocks = _rotation_blocks(n, spec["block"])
+        return header + 1 + 8 + 4 * blocks + math.ceil(padded * math.floor(spec["bits"]) / 8)
     if name == "subsample":  # k, then the inner codec's payload for the k kept values
         k = max(1, math.ceil(spec["fraction"] * n))
         inner = {k_: v for k_, v in spec.items() if k_ not in ("name", "inner", "fraction")}

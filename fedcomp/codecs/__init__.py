@@ -18,6 +18,7 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
+from fedcomp.codecs import adaptive as _adaptive  # noqa: F401  (adaptive)
 from fedcomp.codecs import dense as _dense  # noqa: F401  (registers raw, fp32, fp16, bf16)
 from fedcomp.codecs import eden as _eden  # noqa: F401  (eden)
 from fedcomp.codecs import entropy as _entropy  # noqa: F401  (the lossless stage)

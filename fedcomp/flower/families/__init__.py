@@ -9,6 +9,7 @@ tensor_state   dgc, powersgd                          :mod:`.feedback`
 residual       residual (control variates)            :mod:`.residual`
 ef21           ef21 (EF21, EF21-SGDM)                 :mod:`.residual`
 joint          onebit                                 :mod:`.joint`
+adaptive       adaptive (EDEN widths under a budget)  :mod:`.stateless`
 =============  =====================================  ==================================
 
 A codec names its family (its ``family`` attribute); :func:`family_of` is the one
@@ -24,7 +25,7 @@ from fedcomp.flower.families.base import DecodedUpdate, Encoded, Family, Instruc
 from fedcomp.flower.families.feedback import FeedbackFamily, TensorStateFamily
 from fedcomp.flower.families.joint import JointFamily
 from fedcomp.flower.families.residual import EF21Family, ResidualFamily
-from fedcomp.flower.families.stateless import StatelessFamily
+from fedcomp.flower.families.stateless import AdaptiveFamily, StatelessFamily
 
 FAMILIES: dict[str, type[Family]] = {
     "stateless": StatelessFamily,
@@ -33,6 +34,7 @@ FAMILIES: dict[str, type[Family]] = {
     "residual": ResidualFamily,
     "ef21": EF21Family,
     "joint": JointFamily,
+    "adaptive": AdaptiveFamily,
 }
 
 
