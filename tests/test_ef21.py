@@ -11,7 +11,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 
 from fedcomp.codecs import TensorPolicy, codec_names, make_codec, make_codec_from_spec
-from fedcomp.codecs.ef21 import MOMENTUM_SUFFIX
+from fedcomp.codecs.ef21 import MOMENTUM_SUFFIX, momentum_average
 from fedcomp.flower.families import family_of
 from fedcomp.flower.families.base import Instruction
 from fedcomp.flower.memory_state import MemoryState
@@ -228,3 +228,16 @@ def test_ef21_takes_an_unbiased_codec_at_its_contracting_step() -> None:
     n = 1000
     assert codec.alpha_for(n) == pytest.approx(1 / (1 + codec.inner.variance_factor(n)))
     assert make_codec("ef21", inner="topk", fraction=0.1).alpha_for(n) == 1.0
+
+
+def test_the_momentum_keeps_the_models_dtype() -> None:
+    """A float64 model's payloads claim float64: v is computed in float32, given back in
+    the update's dtype (and an update alone, eta 1 or first contact, is untouched)."""
+    delta = torch.randn(5, 3, dtype=torch.float64)
+    previous = np.ones((5, 3), np.float32)
+    v = momentum_average(previous, delta, 0.25)
+    assert v.dtype == torch.float64
+    torch.testing.assert_close(v, (0.75 + 0.25 * delta.float()).double())
+    for alone in (momentum_average(None, delta, 0.25), momentum_average(previous, delta, 1.0)):
+        assert alone.dtype == torch.float64 and torch.equal(alone, delta)
+

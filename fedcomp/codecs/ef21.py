@@ -41,13 +41,14 @@ MOMENTUM_SUFFIX = "/ef21_momentum"
 
 
 def momentum_average(previous: np.ndarray | None, delta: torch.Tensor, eta: float) -> torch.Tensor:
-    """(1 - eta) v + eta delta in float32; delta itself when there is no v (first
-    contact, or a tensor whose shape changed)."""
-    x = delta.detach().to(torch.float32)
+    """(1 - eta) v + eta delta, computed in float32 and given in delta's dtype (the
+    payload claims the model's); delta itself when there is no v (first contact, or a
+    tensor whose shape changed) or eta is 1."""
+    x = delta.detach()
     if previous is None or tuple(previous.shape) != tuple(x.shape) or eta == 1.0:
         return x
     v = torch.from_numpy(np.ascontiguousarray(previous, dtype=np.float32))
-    return v * (1.0 - eta) + x * eta
+    return (v * (1.0 - eta) + x.to(torch.float32) * eta).to(x.dtype)
 
 
 class EF21Memory(ResidualMemory):

@@ -194,5 +194,7 @@ class EF21Family(ResidualFamily):
         v = {n: momentum_average(state.get(n + MOMENTUM_SUFFIX), d, eta) for n, d in deltas.items()}
         encoded = self.encode_against(instruction, v, memory, h, fp32)
         if eta != 1.0:
-            encoded.pending.update({n + MOMENTUM_SUFFIX: x.numpy() for n, x in v.items()})
+            encoded.pending.update(
+                {n + MOMENTUM_SUFFIX: x.to(torch.float32).numpy() for n, x in v.items()}
+            )
         return encoded
