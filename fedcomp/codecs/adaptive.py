@@ -12,9 +12,9 @@ get more bits (reverse water-filling), the rest the fewest. The choice is the
 client's, from its own update in this round; the server reads each tensor's width
 from its payload and checks the reply against the budget, not the choice.
 
-This is the per-tensor half of adaptive quantization (NVIDIA FLARE's ADAQUANT picks a
-quantizer per tensor; DAdaQuant also adapts the width over rounds and clients). The
-codes stay EDEN's: unbiased with its default unbiased scale and two rotations.
+It is the per-tensor half of adaptive quantization (compare NVIDIA FLARE's ADAQUANT and
+DAdaQuant, whose width also adapts over rounds and across clients: not built here).
+The codes stay EDEN's: unbiased with its default unbiased scale and two rotations.
 
 Body layout (little-endian), after the common header: the inner EDEN payload of the
 tensor's coordinates as one float32 vector (fedcomp.codecs.base.pack_inner: one byte,
