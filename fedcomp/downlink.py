@@ -95,7 +95,7 @@ def parse_downlink(spec: Mapping[str, Any]) -> DownlinkSpec:
     ValueError
         ``invalid setting downlink.<key>=<value>: <what is allowed>``.
     """
-    from fedcomp.codecs import codec_names
+    from fedcomp.codecs import codec_class, codec_names
 
     spec = dict(spec)
     memory = spec.pop("memory", "error_feedback")
@@ -105,7 +105,8 @@ def parse_downlink(spec: Mapping[str, Any]) -> DownlinkSpec:
     if initial not in INITIALS:
         fail("downlink.initial", initial, f"allowed: {', '.join(INITIALS)}")
     name = spec.get("name")
-    allowed = [n for n in codec_names() if n != "raw"]
+    # a stateless codec encodes one tensor alone (adaptive's widths are a reply's choice)
+    allowed = [n for n in codec_names() if n != "raw" and codec_class(n).family == "stateless"]
     if name not in allowed:
         fail(
             "downlink.name",

@@ -159,3 +159,9 @@ def test_a_reply_over_its_budget_is_refused_as_a_spec_mismatch() -> None:
 def test_a_bad_adaptive_setting_fails_before_the_run(codec, message) -> None:
     with pytest.raises(ValueError, match=rf"^invalid setting codec.*{message}"):
         validate(settings_from_dict({"codec": codec}))
+
+
+def test_the_downlink_refuses_adaptive_widths() -> None:
+    """A broadcast step encodes tensors one by one: a reply-level choice has no place."""
+    with pytest.raises(ValueError, match=r"^invalid setting downlink\.name='adaptive'"):
+        validate(settings_from_dict({"downlink": {"name": "adaptive"}}))
