@@ -13,8 +13,9 @@
 
 Targets (checked and printed, never asserted in tests): codec bytes within 2% of
 nominal (sparseq's nominal is an upper bound); every codec's encode >= 1 GB/s; the
-sub-bit codecs' (subsample, sparseq) encode and decode at most 2x 1-bit EDEN's time per
-coordinate (same size, same path, this run); server decode + aggregate no slower than
+sub-bit and adaptive codecs' (subsample, sparseq, adaptive) encode and decode at most 2x
+1-bit EDEN's time per coordinate (same size, this run, against EDEN on its default,
+compiled path); server decode + aggregate no slower than
 Flower's dense aggregation.
 """
 
