@@ -33,7 +33,6 @@ import numpy as np
 import torch
 
 from fedcomp.codecs.base import Codec
-from fedcomp.codecs.memory import inner_fields
 from fedcomp.codecs.residual import ResidualMemory
 
 #: The client's momentum array of a tensor is kept under ``<tensor name><suffix>``.
@@ -100,13 +99,9 @@ class EF21Memory(ResidualMemory):
             )
 
     def spec(self) -> dict[str, Any]:
-        spec: dict[str, Any] = {"name": self.name, **inner_fields(self.inner)}
+        spec = super().spec()  # name, inner, alpha, bootstrap: residual's keys
         if self.momentum != 1.0:
             spec["momentum"] = self.momentum
-        if self.alpha is not None:
-            spec["alpha"] = self.alpha
-        if self.bootstrap != "zero":
-            spec["bootstrap"] = self.bootstrap
         return spec
 
     def alpha_for(self, numel: int) -> float:
