@@ -20,6 +20,8 @@ _unrotate_run
 _eden_encode_run
 _eden_decode_run
 _decode_chunk
+_sketch_rows
+_unsketch_run
 
 # Attributes written on other libraries' objects, read by those libraries.
 THREADING_LAYER  # numba.config: the threading layer Numba starts its threads with

@@ -13,7 +13,7 @@
 
 Targets (checked and printed, never asserted in tests): codec bytes within 2% of
 nominal (sparseq's nominal is an upper bound); every codec's encode >= 1 GB/s; the
-sub-bit and adaptive codecs' (subsample, sparseq, adaptive) encode and decode at most 2x
+sub-bit and adaptive codecs' (subsample, sparseq, adaptive, sketch) encode and decode at most 2x
 1-bit EDEN's time per coordinate (same size, this run, against EDEN on its default,
 compiled path); server decode + aggregate no slower than
 Flower's dense aggregation.
@@ -34,7 +34,13 @@ import torch
 from experiments.runtime import emit
 from fedcomp import compiled
 from fedcomp.aggregate import weighted_mean
-from fedcomp.codecs import decode_bytes, make_codec, quantize_compiled, rotation_compiled
+from fedcomp.codecs import (
+    decode_bytes,
+    make_codec,
+    quantize_compiled,
+    rotation_compiled,
+    sketch_compiled,
+)
 from fedcomp.codecs.wire import HEADER_FIXED_BYTES
 
 SPECS: list[dict] = [
@@ -55,6 +61,11 @@ SPECS: list[dict] = [
     {"name": "subsample", "inner": "eden", "fraction": 0.25, "bits": 1},
     # a lone tensor: the widest width the budget pays (1-bit EDEN behind the stage)
     {"name": "adaptive", "bits": 1.5},
+    # FetchSGD's count sketch: codec/fetchsgd's default, then recipe fetchsgd_sparseq3's.
+    # Its decode row is the unsketch (the median of the rows for every coordinate),
+    # which the server runs once a round on the summed sketch, not once per reply.
+    {"name": "sketch", "fraction": 0.03125, "rows": 5},
+    {"name": "sketch", "fraction": 0.022, "rows": 3, "dtype": "bf16"},
     {"name": "rotate", "inner": "uniform", "bits": 2},
     {"name": "uniform", "bits": 2, "block": 256, "entropy": "zstd"},
 ]
@@ -62,18 +73,18 @@ SPECS: list[dict] = [
 SPEED_TARGET = 1.0
 #: Codecs held to at most SUB_BIT_TARGET times 1-bit EDEN's time per coordinate (the
 #: sub-bit codecs and the adaptive widths of issue 42).
-SUB_BIT = {"subsample", "sparseq", "adaptive"}
+SUB_BIT = {"subsample", "sparseq", "adaptive", "sketch"}
 SUB_BIT_TARGET = 2.0
 #: The reference row of that ratio.
 EDEN1 = "eden(bits=1)"
 #: Codecs with a compiled path, or around one (measured on both paths).
-COMPILED = {"uniform", "dither", "qsgd", "eden", "rotate", "subsample", "adaptive"}
+COMPILED = {"uniform", "dither", "qsgd", "eden", "rotate", "subsample", "adaptive", "sketch"}
 
 
 @contextlib.contextmanager
 def torch_path(enabled: bool) -> Iterator[None]:
     """Force the torch path of every compiled codec while ``enabled``."""
-    modules = (quantize_compiled, rotation_compiled)
+    modules = (quantize_compiled, rotation_compiled, sketch_compiled)
     saved = [m.MIN_COMPILED for m in modules]
     try:
         if enabled:

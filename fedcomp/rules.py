@@ -19,6 +19,9 @@ from fedcomp.influence import Influence
 HANDOFFS = ("per_client", "pre_aggregated")
 #: Joint codes: no per-client decoder; the server decodes only the mean of all replies.
 JOINT_CODES = ("onebit",)
+#: Codes the server sums before it decodes (FetchSGD's count sketches): like the joint
+#: codes, only their mean is ever decoded.
+SUMMED_CODES = ("sketch",)
 #: Inner strategies whose aggregate is a weighted mean of the replies: the only ones a
 #: single pre-aggregated reply can stand in for (FedMedian and FedTrimmedAvg subclass
 #: FedAvg in Flower but are not means). Names are Flower's class names, lower-cased.
@@ -205,13 +208,13 @@ def _check_handoff(codec_name: str, handoff: str, strategy_name: str, trees: Any
             f"reply, so it needs a mean-based strategy ({', '.join(MEAN_BASED)}); "
             "use aggregation=per_client for the others",
         )
-    joint = codec_name in JOINT_CODES
+    joint = codec_name in JOINT_CODES + SUMMED_CODES
     if joint and not pre:
         fail(
             "aggregation.handoff",
             handoff,
-            f"codec {codec_name} is a joint code (the server decodes only the mean of all "
-            "replies): use aggregation=pre_aggregated",
+            f"codec {codec_name} is decoded only as the mean of all replies (a joint or a "
+            "summed code): use aggregation=pre_aggregated",
         )
     changed = changed_tree_options(trees)
     if changed and not pre:
@@ -227,7 +230,7 @@ def _check_handoff(codec_name: str, handoff: str, strategy_name: str, trees: Any
         fail(
             key,
             value,
-            f"reduction trees do not apply to the joint code {codec_name}: its decoder "
-            "sums the answers itself, in float64; leave the aggregation.* tree options "
+            f"reduction trees do not apply to the code {codec_name}: its decoder sums "
+            "the replies itself, in float64; leave the aggregation.* tree options "
             "at their defaults",
         )

@@ -56,6 +56,7 @@ NO_FACTOR = {
     "bf16": "biased: round to nearest",
     "eden": "no bound is claimed for the Hadamard rotation (measured instead)",
     "adaptive": "EDEN's codes: no bound is claimed for the Hadamard rotation",
+    "sketch": "biased: the median of the rows (each row is unbiased: tests/test_sketch.py)",
 }
 #: Registered codecs with a factor, tested in this file (the stages delegate).
 #: (subsample: tests/test_subsample.py)

@@ -43,6 +43,7 @@ SPECS = {
     "eden3mse": {"name": "eden", "bits": 3, "scale": "mse", "block": 512, "rotations": 2},
     "rotate_uniform2": {"name": "rotate", "inner": "uniform", "bits": 2, "block": 64},
     "adaptive": {"name": "adaptive", "bits": 2.0, "block": 256},
+    "sketch": {"name": "sketch", "fraction": 0.5, "rows": 3, "keep": 0.1},
     "subsample_eden1": {
         "name": "subsample",
         "inner": "eden",
@@ -107,7 +108,10 @@ def test_roundtrip_keeps_shape_and_dtype(key: str, kind: str) -> None:
     if (
         kind == "constant"
         and not rotated
-        and not key.startswith(("qsgd", "topk", "randk", "dither", "sparseq", "subsample"))
+        # a sketch's median gives a constant back only where its buckets hold equal counts
+        and not key.startswith(
+            ("qsgd", "topk", "randk", "dither", "sparseq", "subsample", "sketch")
+        )
     ):
         # max|x|- and mean|x|-scaled codes put a constant block exactly on a level
         # (subtractive dither does not: its error is uniform on a step whatever x is).
@@ -211,6 +215,9 @@ def _layout_size(key: str, x: torch.Tensor) -> int:
         # its payload for the flattened tensor less its header (format 2: one byte)
         padded, blocks = _rotation_blocks(n, spec["block"])
         return header + 1 + 8 + 4 * blocks + math.ceil(padded * math.floor(spec["bits"]) / 8)
+    if name == "sketch":  # rows (u8), value dtype (u8), columns (u32), r c float32 values
+        cols = max(1, math.ceil(spec["fraction"] * n / spec["rows"]))
+        return header + 6 + 4 * spec["rows"] * cols
     if name == "subsample":  # k, then the inner codec's payload for the k kept values
         k = max(1, math.ceil(spec["fraction"] * n))
         inner = {k_: v for k_, v in spec.items() if k_ not in ("name", "inner", "fraction")}

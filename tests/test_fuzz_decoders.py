@@ -40,6 +40,7 @@ from fedcomp.codecs import (
     parse_payload,
     quantize_compiled,
     rotation_compiled,
+    sketch_compiled,
 )
 from fedcomp.codecs.wire import HEADER_FIXED_BYTES
 from fedcomp.downlink import BroadcastServer, Replica, ReplicaError, checksum, parse_downlink
@@ -99,11 +100,14 @@ SPECS = [
     {"name": "sparseq", "fraction": 0.2, "bits": 3, "block": 16},
     {"name": "sparseq", "fraction": 0.9, "bits": 1, "block": 8, "selection": "exact"},
     {"name": "lowrank", "rank": 2},
+    {"name": "sketch", "fraction": 0.5, "rows": 3},
+    {"name": "sketch", "fraction": 0.3, "rows": 4, "dtype": "bf16"},
     # the compiled encoders and decoders (fedcomp.codecs.*_compiled), forced at this size
     {"name": "eden", "bits": 2, "block": 256, "path": "compiled"},
     {"name": "eden", "bits": 4, "block": 512, "rotations": 1, "path": "compiled"},
     {"name": "rotate", "inner": "qsgd", "levels": 3, "block": 8, "path": "compiled"},
     {"name": "dither", "bits": 3, "block": 16, "path": "compiled"},
+    {"name": "sketch", "fraction": 0.2, "rows": 5, "path": "compiled"},
 ]
 if not compiled.installed():
     SPECS = [spec for spec in SPECS if spec.get("path") != "compiled"]
@@ -126,6 +130,7 @@ def _compiled_codecs():
     if compiled.installed():
         rotation_compiled._kernels()
         quantize_compiled._kernels()
+        sketch_compiled.KERNELS.get()
 
 
 @pytest.fixture(autouse=True)
@@ -141,7 +146,7 @@ def _codec(spec: dict):
 @contextlib.contextmanager
 def _path(spec: dict) -> Iterator[None]:
     """The compiled encoders and decoders for every size when the spec asks for them."""
-    modules = (rotation_compiled, quantize_compiled)
+    modules = (rotation_compiled, quantize_compiled, sketch_compiled)
     saved = [module.MIN_COMPILED for module in modules]
     try:
         if spec.get("path") == "compiled":

@@ -35,6 +35,7 @@ SPECS = {
     "uniform2_zstd": {"name": "uniform", "bits": 2, "block": 64, "entropy": "zstd"},
     "subsample_eden1": {"name": "subsample", "inner": "eden", "fraction": 0.25, "bits": 1},
     "adaptive": {"name": "adaptive", "bits": 1.5},
+    "sketch": {"name": "sketch", "fraction": 1 / 64},
 }
 
 SHAPES = [(), (1,), (6,), (10,), (17,), (31,), (64,), (128,), (200,), (512,), (3, 5),

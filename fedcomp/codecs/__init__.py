@@ -25,6 +25,7 @@ from fedcomp.codecs import entropy as _entropy  # noqa: F401  (the lossless stag
 from fedcomp.codecs import lowrank as _lowrank  # noqa: F401  (lowrank)
 from fedcomp.codecs import quantizers as _quantizers  # noqa: F401  (uniform, qsgd, sign)
 from fedcomp.codecs import rotated as _rotated  # noqa: F401  (rotate)
+from fedcomp.codecs import sketch as _sketch  # noqa: F401  (sketch)
 from fedcomp.codecs import sparse as _sparse  # noqa: F401  (topk, randk)
 from fedcomp.codecs import sparse_quantized as _sparseq  # noqa: F401  (sparseq)
 from fedcomp.codecs import subsample as _subsample  # noqa: F401  (subsample)
@@ -46,11 +47,15 @@ from fedcomp.codecs.rotated import RotatedCodec
 from fedcomp.codecs.subsample import SubsampledCodec
 from fedcomp.codecs.wire import Payload, PayloadError, PayloadHeader, parse_payload
 from fedcomp.rules import JOINT_CODES as _JOINT_CODES
+from fedcomp.rules import SUMMED_CODES
 
 #: Memory names accepted by make_codec, with the inner codec given as ``inner=<name>``.
 MEMORIES = ("ef", "residual", "ef21", "dgc")
 #: Joint codes: no per-client decoder; the server decodes all replies together.
 JOINT_CODES = _JOINT_CODES
+#: Codes that only work as a whole reply's code, never inside a memory or a stage:
+#: the joint codes and the summed ones (FetchSGD's sketch, decoded as a sum).
+WHOLE_CODES = JOINT_CODES + SUMMED_CODES
 
 
 def make_joint_code(name: str, **params: Any):
@@ -75,10 +80,10 @@ def _make_rotated(params: dict[str, Any]) -> RotatedCodec:
     """``rotate`` around a stateless codec: its own keys, the rest go to the inner one."""
     inner = params.pop("inner", None)
     rotation = {k: params.pop(k) for k in ("rotations", "rotation_block") if k in params}
-    if not isinstance(inner, str) or inner in MEMORIES or inner in JOINT_CODES or inner == "rotate":
+    if not isinstance(inner, str) or inner in MEMORIES or inner in WHOLE_CODES or inner == "rotate":
         raise ValueError(
-            f"rotate needs inner=<stateless codec name> (not a memory, a joint code or "
-            f"rotate), got inner={inner!r}"
+            f"rotate needs inner=<stateless codec name> (not a memory, a joint or summed "
+            f"code or rotate), got inner={inner!r}"
         )
     return RotatedCodec(make_codec(inner, **params), **rotation)
 
@@ -92,12 +97,12 @@ def _make_subsampled(params: dict[str, Any]) -> SubsampledCodec:
     if (
         not isinstance(inner, str)
         or inner in MEMORIES
-        or inner in JOINT_CODES
+        or inner in WHOLE_CODES
         or inner in (SubsampledCodec.name,)
     ):
         raise ValueError(
-            f"subsample needs inner=<stateless codec name> (not a memory, a joint code or "
-            f"subsample), got inner={inner!r}"
+            f"subsample needs inner=<stateless codec name> (not a memory, a joint or "
+            f"summed code or subsample), got inner={inner!r}"
         )
     return SubsampledCodec(make_codec(inner, **params), fraction=fraction)
 
@@ -121,9 +126,10 @@ def make_codec(name: str, **params: Any) -> Codec | Memory | Any:
     """
     if name == EntropyCodec.name:
         raise ValueError("the lossless stage is a key of a codec: e.g. codec.entropy=zstd")
+    if name in WHOLE_CODES and "entropy" in params:
+        raise ValueError(f"entropy does not apply to the code {name!r}: its payloads are "
+                         "read by the server as they are")  # fmt: skip
     if name in JOINT_CODES:
-        if "entropy" in params:
-            raise ValueError(f"entropy does not apply to the joint code {name!r}")
         return make_joint_code(name, **params)
     if name not in MEMORIES and "entropy" in params:
         method = params.pop("entropy")
@@ -172,10 +178,13 @@ def _inner_codec(memory: str, inner: Any, params: dict[str, Any]) -> Codec:
             )
         if inner.get("name") in MEMORIES or inner.get("name") == PowerSGDMemory.name:
             raise ValueError(f"{memory}: inner {inner.get('name')!r} is a memory, not a codec")
+        if inner.get("name") in WHOLE_CODES:
+            raise ValueError(f"{memory}: inner {inner.get('name')!r} is a whole reply's code")
         return make_codec_from_spec(inner)
-    if not isinstance(inner, str) or inner in MEMORIES:
+    if not isinstance(inner, str) or inner in MEMORIES or inner in SUMMED_CODES:
         raise ValueError(
-            f"{memory} needs inner=<codec name> or inner=<codec spec>, got inner={inner!r}"
+            f"{memory} needs inner=<codec name> or inner=<codec spec> (not a memory or a "
+            f"summed code), got inner={inner!r}"
         )
     return make_codec(inner, **params)
 

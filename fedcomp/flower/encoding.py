@@ -87,7 +87,8 @@ def reply_metrics(
     fp32 reference is the server's to compute: fedcomp.flower.reference)."""
     out = MetricRecord(dict(metrics))
     out[METRIC_ENCODE_S] = encode_s
-    if measure_error and instruction.plan is None:  # joint codes: no per-client decode
+    # joint and summed codes (no inputs given): no per-client decode to compare with
+    if measure_error and encoded.inputs:
         out[METRIC_REL_ERROR] = relative_error(encoded.payloads, encoded.inputs)
     for key, value in encoded.stats.items():
         out[key] = value

@@ -21,6 +21,7 @@ from fedcomp.bundle import BundleError, expand_entries, is_compact, unpack_bundl
 from fedcomp.codecs import Codec, TensorPolicy, parse_payload
 from fedcomp.codecs.base import JOINT_ONEBIT_ID
 from fedcomp.codecs.dense import RawCodec
+from fedcomp.codecs.sketch import CountSketchCodec, sketch_seed
 from fedcomp.codecs.wire import (
     DTYPE_CODES,
     Payload,
@@ -287,8 +288,8 @@ def uplink_headers(
 ) -> HeaderRule:
     """The uplink's rule for compact payload entries (fedcomp.compact): the header a
     reply's payload had is the global tensor's shape and dtype, and, when it carries a
-    public seed, the one :func:`decode_payloads` expects (the client's, or the round's
-    shared seed for the joint one-bit code)."""
+    public seed, the one :func:`decode_payloads` expects (the client's, the round's
+    shared seed for the joint one-bit code, the run's for a count sketch)."""
 
     def rule(name: str, codec_id: int, seeded: bool) -> PayloadHeader:
         reference = global_arrays.get(name)
@@ -297,6 +298,8 @@ def uplink_headers(
         seed = 0
         if seeded and codec_id == JOINT_ONEBIT_ID:
             seed = joint_seed(run_seed, server_round, name)
+        elif seeded and codec_id == CountSketchCodec.codec_id:
+            seed = sketch_seed(run_seed, name)
         elif seeded:
             seed = derive_seed(run_seed, server_round, stable_id, name)
         return PayloadHeader(codec_id, _torch_dtype(reference), tuple(reference.shape), seed)

@@ -10,6 +10,7 @@ residual       residual (control variates)            :mod:`.residual`
 ef21           ef21 (EF21, EF21-SGDM)                 :mod:`.residual`
 joint          onebit                                 :mod:`.joint`
 adaptive       adaptive (EDEN widths under a budget)  :mod:`.stateless`
+sketch         sketch (FetchSGD: count sketches)      :mod:`.sketch`
 =============  =====================================  ==================================
 
 A codec names its family (its ``family`` attribute); :func:`family_of` is the one
@@ -25,6 +26,7 @@ from fedcomp.flower.families.base import DecodedUpdate, Encoded, Family, Instruc
 from fedcomp.flower.families.feedback import FeedbackFamily, TensorStateFamily
 from fedcomp.flower.families.joint import JointFamily
 from fedcomp.flower.families.residual import EF21Family, ResidualFamily
+from fedcomp.flower.families.sketch import SketchFamily
 from fedcomp.flower.families.stateless import AdaptiveFamily, StatelessFamily
 
 FAMILIES: dict[str, type[Family]] = {
@@ -35,6 +37,7 @@ FAMILIES: dict[str, type[Family]] = {
     "ef21": EF21Family,
     "joint": JointFamily,
     "adaptive": AdaptiveFamily,
+    "sketch": SketchFamily,
 }
 
 
