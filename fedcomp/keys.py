@@ -44,6 +44,9 @@ KEY_POLICY = "fedcomp.policy"
 KEY_JOINT_INDEX = "fedcomp.joint-index"
 KEY_JOINT_CLIENTS = "fedcomp.joint-clients"
 KEY_JOINT_TAU = "fedcomp.joint-tau"
+#: The adaptive codec's budget for this client and round (bits a coordinate), when the
+#: server adapts it (fedcomp.budgets); without it the codec's own.
+KEY_BIT_BUDGET = "fedcomp.bit-budget"
 #: Downlink replica (fedcomp.downlink): how this instruction carries the model
 #: ("full": x_hat under the strategy's arrays key; "steps": the payloads of the steps
 #: the client lacks, in KEY_DOWNLINK_PAYLOADS, and no model), the version and checksum of
@@ -157,6 +160,7 @@ PACKED_FIELDS: tuple[str, ...] = (
     METRIC_PREFIX + METRIC_STATE_BYTES,
     METRIC_PREFIX + METRIC_REL_ERROR,
     METRIC_PREFIX + METRIC_OUT_OF_RANGE,
+    KEY_BIT_BUDGET,
 )
 
 #: Error reasons of injected faults (clients.faults) contain this, then the fault kind.

@@ -127,8 +127,12 @@ def make_codec(name: str, **params: Any) -> Codec | Memory | Any:
     if name == EntropyCodec.name:
         raise ValueError("the lossless stage is a key of a codec: e.g. codec.entropy=zstd")
     if name in WHOLE_CODES and "entropy" in params:
-        raise ValueError(f"entropy does not apply to the code {name!r}: its payloads are "
-                         "read by the server as they are")  # fmt: skip
+        kind = "joint" if name in JOINT_CODES else "summed"
+        raise ValueError(
+            f"entropy does not apply to the {kind} code {name!r}: the server "
+            "reads its payloads together"
+        )
+
     if name in JOINT_CODES:
         return make_joint_code(name, **params)
     if name not in MEMORIES and "entropy" in params:

@@ -147,6 +147,18 @@ class AdaptiveCodec(Codec):
         The allowed widths.
     scale, block, rotations
         EDEN's (fedcomp.codecs.eden.EdenCodec).
+    schedule : {"fixed", "loss"}
+        The budget over the rounds: ``bits`` every round, or DAdaQuant's time rule
+        (fedcomp.budgets.LossSchedule): from ``start``, one bit more after ``patience``
+        rounds without a new lowest server loss, at most ``bits``.
+    start : float, optional
+        The loss schedule's first budget (default: the narrowest width).
+    patience : int >= 1
+        The loss schedule's rounds without a new lowest loss before a bit is added.
+    clients : {"same", "weights"}
+        One budget for every client, or DAdaQuant's client rule for EDEN's curve
+        (fedcomp.budgets.weight_budgets: one bit more for twice the weight, the mean
+        kept). Both rules are the server's: it sends each client its budget.
     """
 
     codec_id = 17
@@ -162,6 +174,10 @@ class AdaptiveCodec(Codec):
         scale: str = "unbiased",
         block: int = 1024,
         rotations: int = 2,
+        schedule: str = "fixed",
+        start: float | None = None,
+        patience: int = 5,
+        clients: str = "same",
     ) -> None:
         widths = list(choices) if isinstance(choices, list | tuple) else None
         if (
@@ -186,6 +202,11 @@ class AdaptiveCodec(Codec):
                 f"the allowed widths' range, got {bits!r}"
             )
         self.bits, self.choices = float(bits), tuple(widths)
+        self.schedule, self.clients, self.patience, self.start = _adaptation(
+            schedule, clients, patience, widths[0] if start is None else start, self.choices
+        )
+        if self.start > self.bits:
+            raise ValueError(f"adaptive: start {self.start!r} is above bits {self.bits!r}")
         self.eden = {b: EdenCodec(b, scale=scale, block=block, rotations=rotations) for b in widths}
         self.unbiased = self.eden[widths[0]].unbiased
 
@@ -196,13 +217,36 @@ class AdaptiveCodec(Codec):
             "bits": self.bits,
             "choices": list(self.choices),
             **{k: eden[k] for k in ("scale", "block", "rotations")},
+            **(
+                {"schedule": self.schedule, "start": self.start, "patience": self.patience}
+                if self.schedule != "fixed"
+                else {}
+            ),
+            **({"clients": self.clients} if self.clients != "same" else {}),
         }
 
-    def allocate(self, deltas: Mapping[str, torch.Tensor]) -> dict[str, int]:
-        """Each tensor's width for this reply (the client's choice)."""
+    @property
+    def adapts(self) -> bool:
+        """Whether the server sets each client's budget each round."""
+        return self.schedule != "fixed" or self.clients != "same"
+
+    def check_budget_value(self, budget: float) -> float:
+        """A budget the server sent: within the allowed widths and at most ``bits``."""
+        if not (math.isfinite(budget) and self.choices[0] <= budget <= self.bits):
+            raise ValueError(
+                f"{self.name}: budget {budget!r} is not in [{self.choices[0]}, {self.bits}]"
+            )
+        return float(budget)
+
+    def allocate(
+        self, deltas: Mapping[str, torch.Tensor], budget: float | None = None
+    ) -> dict[str, int]:
+        """Each tensor's width for this reply (the client's choice), under ``budget``
+        (the server's for this round, else ``bits``)."""
         energies = {n: float(torch.sum(d.detach().double() ** 2)) for n, d in deltas.items()}
         sizes = {n: d.numel() for n, d in deltas.items()}
-        return allocate_bits(sizes, energies, self.bits, self.choices, eden_nmse)
+        cap = self.bits if budget is None else budget
+        return allocate_bits(sizes, energies, cap, self.choices, eden_nmse)
 
     def encode(self, x: torch.Tensor, *, seed: int) -> Payload:
         """A tensor alone (a downlink step, a tool): the widest width the budget pays."""
@@ -264,3 +308,24 @@ class AdaptiveCodec(Codec):
     def lone_width(self) -> int:
         """The width of a tensor encoded alone: the widest the budget pays."""
         return max(b for b in self.choices if b <= self.bits)
+
+
+def _adaptation(
+    schedule: Any, clients: Any, patience: Any, start: Any, choices: Sequence[int]
+) -> tuple[str, str, int, float]:
+    """The adaptive codec's server-side rules, checked (fedcomp.budgets)."""
+    if schedule not in ("fixed", "loss"):
+        raise ValueError(f"adaptive: schedule must be fixed or loss, got {schedule!r}")
+    if clients not in ("same", "weights"):
+        raise ValueError(f"adaptive: clients must be same or weights, got {clients!r}")
+    if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
+        raise ValueError(f"adaptive: patience must be an integer >= 1, got {patience!r}")
+    if (
+        isinstance(start, bool)
+        or not isinstance(start, int | float)
+        or not (math.isfinite(start) and choices[0] <= start <= choices[-1])
+    ):
+        raise ValueError(
+            f"adaptive: start must be in [{choices[0]}, {choices[-1]}], got {start!r}"
+        )
+    return schedule, clients, patience, float(start)

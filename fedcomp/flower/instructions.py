@@ -13,16 +13,13 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp.strategy import Strategy
 
 from fedcomp.codecs import TensorPolicy
-from fedcomp.flower.families.joint import JointRound
+from fedcomp.flower.families.base import RoundPlan
 from fedcomp.flower.shared_settings import SharedSettings
 from fedcomp.keys import (
     KEY_ACK_ROUND,
     KEY_CODEC,
     KEY_DOWNLINK_CODEC,
     KEY_EXPECTED_ID,
-    KEY_JOINT_CLIENTS,
-    KEY_JOINT_INDEX,
-    KEY_JOINT_TAU,
     KEY_POLICY,
     KEY_PROTOCOL,
     KEY_RESYNC,
@@ -31,7 +28,6 @@ from fedcomp.keys import (
     KEY_TASK,
     PROTOCOL_VERSION,
 )
-from fedcomp.onebit.federated import pack_taus
 from fedcomp.rng import numpy_generator
 
 
@@ -116,7 +112,7 @@ class Instructions:
         node_of: Callable[[int], int],
         ack_round: Callable[[int], int],
         resync: Callable[[int], bool],
-        plan: JointRound | None,
+        plan: RoundPlan | None,
         restores: Callable[[int], bool],
     ) -> dict[int, Message]:
         """One message per stable id (train configs carry the codec fields; the run
@@ -138,10 +134,8 @@ class Instructions:
                 config[KEY_ACK_ROUND] = ack_round(sid)
                 if resync(sid):
                     config[KEY_RESYNC] = 1
-                if plan is not None:
-                    config[KEY_JOINT_INDEX] = plan.index[sid]
-                    config[KEY_JOINT_CLIENTS] = plan.clients
-                    config[KEY_JOINT_TAU] = pack_taus([plan.taus[n] for n in plan.names])
+                for key, value in (plan.fields(sid) if plan is not None else {}).items():
+                    config[key] = value
             content = RecordDict({arrays_key: arrays, config_key: config})
             messages[sid] = Message(
                 content, dst_node_id=node_of(sid), message_type=kind, group_id=str(server_round)

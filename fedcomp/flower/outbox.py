@@ -14,7 +14,7 @@ from collections.abc import Callable
 from flwr.app import Message, MessageType
 
 from fedcomp.flower.accounting import count_instructions, record_bytes
-from fedcomp.flower.families.joint import JointRound
+from fedcomp.flower.families.base import RoundPlan
 from fedcomp.flower.holdings import ClientHoldings
 from fedcomp.flower.instructions import Instructions, Sampling, sample
 from fedcomp.flower.packed import pack_into
@@ -60,7 +60,7 @@ class Outbox:
         state: RoundState,
         *,
         resync: Callable[[int], bool],
-        plan: JointRound | None,
+        plan: RoundPlan | None,
     ) -> dict[int, Message]:
         """Each selected client's train instruction, counted in the round's traffic and
         per-client rows (always model-free where a downlink replica is kept)."""
@@ -102,7 +102,7 @@ class Outbox:
         server_round: int,
         kind: str,
         resync: Callable[[int], bool] | None,
-        plan: JointRound | None,
+        plan: RoundPlan | None,
     ) -> dict[int, Message]:
         return self.instructions.build(
             template,

@@ -107,6 +107,15 @@ class RoundBook:
                 central.get("loss", float("nan")),
             )
 
+    def last_loss(self) -> float | None:
+        """The server's loss after the last recorded round (the clients' federated
+        loss when the server does not evaluate; None before any)."""
+        if not self.rounds:
+            return (self.initial_evaluation or {}).get("loss")
+        last = self.rounds[-1]
+        loss = last.get("loss")
+        return loss if loss is not None else last.get("client_loss")
+
     def _loss_reference(self) -> float | None:
         """The loss a diverging run is measured against: the initial model's, else the
         first recorded round's."""

@@ -17,6 +17,7 @@ from fedcomp.traffic import Traffic
 if TYPE_CHECKING:  # the joint family's module imports the reply checks, which import this
     from fedcomp.flower.consensus import ConsensusSum
     from fedcomp.flower.families.joint import JointRound
+    from fedcomp.flower.families.stateless import BudgetRound
 
 
 @dataclass
@@ -141,7 +142,11 @@ class RoundState:
     record: RoundCounts = field(default_factory=RoundCounts)
     per_client: dict[int, dict[str, Any]] = field(default_factory=dict)
     tensor_codecs: dict[str, str] = field(default_factory=dict)
-    joint: JointRound | None = None
+    #: The round's public plan, when the family has one (the joint code's JointRound,
+    #: the adaptive codec's BudgetRound): per-client fields of the instructions.
+    plan: JointRound | BudgetRound | None = None
+    #: The server's loss after the round before (None: not evaluated).
+    previous_loss: float | None = None
     #: Every message of the round, both ways, by kind.
     traffic: Traffic = field(default_factory=Traffic)
     #: The plain mean summed during the first decode (streaming hand-off only).

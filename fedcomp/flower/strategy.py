@@ -196,6 +196,7 @@ class CompressedStrategy(Strategy):
         server_round = self._real(server_round)
         self._refresh_ids(grid)
         state = RoundState(number=server_round, t_start=time.perf_counter())
+        state.previous_loss = self.book.last_loss()
         state.record.identity_failures = self.clients.new_identity_failures()
         state.traffic, self._pending_traffic = self._pending_traffic, Traffic()
         state.global_arrays = {k: np.asarray(v.numpy()) for k, v in arrays.items()}
@@ -210,7 +211,7 @@ class CompressedStrategy(Strategy):
         selected = self.outbox.sample(server_round, MessageType.TRAIN)
         self.uplink.prepare(state, selected, self.parts.policy)
         resync = self.uplink.resync_requested
-        state.sent = self.outbox.train(template, selected, state, resync=resync, plan=state.joint)
+        state.sent = self.outbox.train(template, selected, state, resync=resync, plan=state.plan)
         state.record.selected = len(selected)
         return list(state.sent.values())
 

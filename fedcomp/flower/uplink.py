@@ -153,6 +153,7 @@ class Uplink:
             )
             if item.pending is not None:
                 self.half.commit(item.pending)
+            self.half.accepted(item.stable_id, item.weight)
             state.record.resyncs += item.sync == SYNC_FULL
             state.record.restarts += item.sync == SYNC_RESTART
             accepted_round[item.stable_id] = state.number

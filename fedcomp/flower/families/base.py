@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -70,6 +70,14 @@ class DecodedUpdate:
     sync: int = 0
 
 
+class RoundPlan(Protocol):
+    """A round's public plan, made by the server half before the instructions leave."""
+
+    def fields(self, stable_id: int) -> Mapping[str, int | float | bytes]:
+        """The plan's fields in this client's train instruction."""
+        ...
+
+
 LoadMemory = Callable[[], MemoryState]
 #: One reply's payloads by tensor, in model order (views into its bundle).
 Payloads = Mapping[str, bytes | memoryview]
@@ -95,6 +103,9 @@ class ServerHalf:
 
     def commit(self, pending: Any) -> None:
         """An accepted reply's state change (the residual mirror)."""
+
+    def accepted(self, stable_id: int, weight: float) -> None:
+        """A reply was accepted with this weight (its claimed examples, bounded)."""
 
     def resync_requested(self, stable_id: int) -> bool:
         return False

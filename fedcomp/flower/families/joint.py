@@ -43,6 +43,7 @@ from fedcomp.onebit.federated import (
     JointServerState,
     joint_seed,
     out_of_range_fraction,
+    pack_taus,
     unpack_taus,
 )
 
@@ -61,6 +62,14 @@ class JointRound:
     @property
     def clients(self) -> int:
         return len(self.index)
+
+    def fields(self, stable_id: int) -> dict[str, int | bytes]:
+        """The plan's fields in this client's train instruction."""
+        return {
+            KEY_JOINT_INDEX: self.index[stable_id],
+            KEY_JOINT_CLIENTS: self.clients,
+            KEY_JOINT_TAU: pack_taus([self.taus[n] for n in self.names]),
+        }
 
 
 def joint_names(
@@ -262,14 +271,14 @@ class JointServer(ServerHalf):
         self.joint_state = JointServerState(prior=code.tau_prior)
 
     def plan(self, state: Any, selected: list[int], policy: TensorPolicy) -> None:
-        state.joint = plan_round(self.code, policy, self.joint_state, state.global_arrays, selected)
+        state.plan = plan_round(self.code, policy, self.joint_state, state.global_arrays, selected)
 
     def decode(
         self, payloads: Payloads, header: ConfigRecord, stable_id: int, state: Any
     ) -> DecodedUpdate:
         deltas, bits, codecs = split_reply(
             self.code,
-            state.joint,
+            state.plan,
             payloads,
             state.global_arrays,
             run_seed=self.run_seed,
@@ -298,11 +307,11 @@ class JointMean:
     def mean(self, decoded: list[Any], state: Any) -> dict[str, np.ndarray] | None:
         updates, weights = [d.deltas for d in decoded], [d.weight for d in decoded]
         mean = weighted_mean(updates, weights) if updates[0] else {}
-        assert state.joint is not None
+        assert state.plan is not None
         try:
             joint = joint_mean(
                 self.code,
-                state.joint,
+                state.plan,
                 self.joint_state,
                 [(d.stable_id, d.weight, d.joint) for d in decoded],
                 state.global_arrays,
@@ -314,7 +323,7 @@ class JointMean:
             state.record.joint = {"error": str(exc)}
             return None
         mean.update(joint)
-        state.record.joint = dict(state.joint.stats)
+        state.record.joint = dict(state.plan.stats)
         return mean
 
 
