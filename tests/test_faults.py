@@ -13,7 +13,11 @@ from clients.faults import KINDS, draw_fault
 from experiments.inprocess import InProcessGrid, Spy, initial_arrays
 from fedcomp.failures import RunFailed
 from fedcomp.flower.options import IdentityOptions, ServerOptions
-from fedcomp.flower.outcome import EARLY_REFUSAL_ROUNDS, fail_if_refusing_everything
+from fedcomp.flower.outcome import (
+    EARLY_REFUSAL_ROUNDS,
+    fail_if_refusing_everything,
+    fail_if_stuck_diverged,
+)
 from fedcomp.flower.reply_format import metrics_of, replace_metrics, reply_header
 from fedcomp.flower.strategy import CompressedStrategy
 from fedcomp.influence import Influence
@@ -229,3 +233,27 @@ def test_a_fault_kind_is_the_servers_own_draw_not_the_clients_text():
         count_error_reply(state, sid, msg, expected)
     crashes = sum(kind == "crash_client" for kind in drawn.values())
     assert state.record.faults == {"crash_client": crashes, "error_reply": 12 - crashes}
+
+
+@pytest.mark.parametrize("pattern", range(64))
+def test_a_diverged_model_no_reply_can_move_stops_the_run(pattern: int) -> None:
+    """Five rounds, each non-finite or not and changing the model or not (bits of the
+    pattern, the last three rounds free): the run stops exactly when its last three
+    rounds are all non-finite and changed nothing."""
+    flags = [((pattern >> i) & 1, (pattern >> (i + 3)) & 1) for i in range(3)]
+    records = [
+        {"round": 1, "replied": 4, "nonfinite_metrics": ["loss"]},
+        {"round": 2, "replied": 4},
+    ]
+    for i, (nonfinite, changed) in enumerate(flags):
+        record = {"round": 3 + i, "replied": 4 if changed else 0}
+        if nonfinite:
+            record["nonfinite_metrics"] = ["loss", "accuracy"]
+        records.append(record)
+    stops = all(n and not c for n, c in flags)
+    if stops:
+        with pytest.raises(RunFailed, match="non-finite at round 3, and none of the last 3"):
+            fail_if_stuck_diverged(records)
+    else:
+        fail_if_stuck_diverged(records)
+    fail_if_stuck_diverged(records[:2])  # fewer rounds than the wait: never

@@ -113,6 +113,30 @@ def fail_if_refusing_everything(rounds: list[dict[str, Any]]) -> None:
     )
 
 
+def fail_if_stuck_diverged(
+    rounds: list[dict[str, Any]], causes: str = _ADVICE, wait: int = EARLY_REFUSAL_ROUNDS
+) -> None:
+    """Fail the run (RunFailed) when its global model's central metrics are non-finite
+    and the last ``wait`` rounds, all evaluated so, changed nothing: a model that no
+    reply can move stays where it is, and every later round would be spent on it
+    (measured: a diverged FetchSGD run went on for 290 rounds at chance, each client's
+    training failing on the model)."""
+    last = rounds[-wait:]
+    if len(last) < wait or not all(r.get("nonfinite_metrics") for r in last):
+        return
+    if any(_changed_model(r) for r in last):
+        return
+    streak = len(rounds) - wait  # back to where the model last evaluated finite
+    while streak > 0 and rounds[streak - 1].get("nonfinite_metrics"):
+        streak -= 1
+    first = rounds[streak]
+    raise RunFailed(
+        f"the global model diverged: its central {', '.join(first['nonfinite_metrics'])} "
+        f"became non-finite at round {first['round']}, and none of the last {wait} rounds "
+        f"could change it (no reply accepted); the run stops now. {causes}"
+    )
+
+
 #: The round line flags a central loss this many times the run's best so far.
 LOSS_FLAG_FACTOR = 3.0
 

@@ -28,6 +28,7 @@ from fedcomp.flower.outcome import (
     fail_if_not_learning,
     fail_if_nothing_learned,
     fail_if_refusing_everything,
+    fail_if_stuck_diverged,
     likely_causes,
     loss_growth,
     not_following,
@@ -96,6 +97,7 @@ class RoundBook:
             except Exception as exc:  # an observer (a checkpoint, a display) failing
                 log.error("round %d: the on_round observer failed", server_round, exc_info=exc)
         fail_if_refusing_everything(self.rounds)  # after the checkpoint: results are kept
+        fail_if_stuck_diverged(self.rounds)
 
     def _initial(self, central: dict[str, Any]) -> None:
         self.initial_evaluation = central
