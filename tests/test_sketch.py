@@ -479,3 +479,17 @@ def test_a_flower_round_is_the_same_in_any_reply_order() -> None:
     _, first, *_ = _sketch_round()
     _, reversed_, *_ = _sketch_round(order=lambda r: r[::-1])
     assert all(np.array_equal(first[k], reversed_[k]) for k in first)
+
+
+def test_the_draw_cache_keeps_its_budget(monkeypatch) -> None:
+    """Draws are cached up to DRAW_CACHE_BYTES; one larger than the budget is never kept."""
+    monkeypatch.setattr(sk, "DRAW_CACHE_BYTES", 9 * 3 * 1000 * 2)  # two of the small ones
+    sk._CACHE.clear()
+    for seed in range(4):
+        assert sk.draws(seed, 1000, 3, 10) is sk.draws(seed, 1000, 3, 10)
+    assert len(sk._CACHE) == 2
+    big = sk.draws(99, 5000, 3, 10)
+    assert big.slots.shape == (3, 5000) and (99, 5000, 3, 10) not in sk._CACHE
+    total = sum(d.slots.nbytes + d.signs.nbytes for d in sk._CACHE.values())
+    assert total <= sk.DRAW_CACHE_BYTES
+    sk._CACHE.clear()
