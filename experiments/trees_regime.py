@@ -50,6 +50,7 @@ def capture(clients: int, rounds: list[int], seed: int) -> dict[int, torch.Tenso
     from hydra import compose, initialize_config_dir
 
     from clients.client_app import make_client_app
+    from experiments.behaviour import node_ids
     from experiments.inprocess import InProcessGrid, Spy, set_task_identity
     from experiments.run import CONF_DIR, settings_from_cfg
     from fedcomp.flower.options import ServerOptions
@@ -63,7 +64,7 @@ def capture(clients: int, rounds: list[int], seed: int) -> dict[int, torch.Tenso
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         settings = settings_from_cfg(compose(config_name="config", overrides=overrides))
     spy = Spy()
-    grid = InProcessGrid(make_client_app(inner_mods=[spy]), clients)
+    grid = InProcessGrid(make_client_app(inner_mods=[spy]), clients, node_ids=node_ids(clients))
     from flwr.app import ArrayRecord
 
     arrays = ArrayRecord(build_model(settings.model, settings.dataset.name, seed).state_dict())
