@@ -35,6 +35,8 @@ def weight_budgets(
         return {}
     if not low <= mean <= high:
         raise ValueError(f"mean budget {mean!r} is not in [{low}, {high}]")
+    if mean in (low, high):  # the only budgets with that mean: every client there
+        return dict.fromkeys(weights, float(mean))
     logs = {sid: math.log2(w) for sid, w in weights.items()}
 
     def spread(c: float) -> dict[int, float]:

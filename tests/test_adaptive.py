@@ -332,3 +332,11 @@ def test_a_flower_round_sends_each_client_its_budget_and_holds_the_reply_to_it()
     for reply in _train_only(grid.replies):
         payloads = sent_payloads(reply_header(reply.content), arrays, settings.seed)
         assert {made.width_of(parse_payload(payloads[n])) for n in coded} == {1}
+
+
+def test_budgets_at_either_end_are_exactly_that_end() -> None:
+    weights = {1: 1.0, 2: 50.0, 3: 0.02}
+    assert weight_budgets(4.0, weights, 1.0, 4.0) == dict.fromkeys(weights, 4.0)
+    assert weight_budgets(1.0, weights, 1.0, 4.0) == dict.fromkeys(weights, 1.0)
+    with pytest.raises(ValueError, match=r"mean budget 4\.5 is not in \[1\.0, 4\.0\]"):
+        weight_budgets(4.5, weights, 1.0, 4.0)
