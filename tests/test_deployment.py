@@ -352,6 +352,14 @@ def test_pinned_port_in_use_fails_before_any_process_starts(job, tmp_path: Path)
             launch(job, d, tmp_path)
 
 
+def test_diagnostics_are_refused_on_a_deployment_before_any_process(job, tmp_path: Path):
+    """The exact updates of the diagnostics travel beside the messages: simulation only."""
+    state = Launch(tmp_path)
+    with pytest.raises(ValueError, match=r"^invalid setting diagnostics_dir='/tmp/d': simulation"):
+        launch(replace(job, diagnostics_dir="/tmp/d"), DeploymentSettings(), tmp_path, state=state)
+    assert state.components == []
+
+
 @pytest.mark.deployment
 def test_superlink_that_never_answers_is_stopped(job, tmp_path: Path) -> None:
     state = Launch(tmp_path)

@@ -176,6 +176,13 @@ def launch(
     # The ServerApp and ClientApps run elsewhere (FLWR_HOME/apps): absolute paths only.
     from experiments.simulate import absolute_paths, preflight
 
+    if settings.diagnostics_dir:
+        # the exact updates would travel outside the messages, and be compared with
+        raise ValueError(
+            f"invalid setting diagnostics_dir={settings.diagnostics_dir!r}: simulation "
+            "only (its clients write their exact updates beside the messages); leave it "
+            "empty on a deployment"
+        )
     settings = absolute_paths(validate(replace(settings, results_path=str(results_path))))
     if deployment.auth.enabled:  # nodes keep their keys: bind each stable id to one
         settings = replace(settings, bind_keys=True)
