@@ -1,11 +1,12 @@
 """The statistics that decide where the one-bit code can win, measured on the clients'
 exact updates of a round (simulation diagnostics only: fedcomp.diagnostics).
 
-Per coordinate the clients' values x_i have a center c (their median) and a spread tau
-(1.4826 times their median absolute deviation: the standard deviation for Gaussian
-values). The one-bit code (docs/onebit.md) must cover the range its clients' values
-can take, lambda, with bits whose error scales with tau; fixed-range codes spend their
-levels on lambda. Its reference study's crossover: it wins at b bits a coordinate when
+Per coordinate the clients' values x_i have a center c (their median); the spread tau
+is the one-bit code's own scale, one per block of BLOCK coordinates (its default
+block): 1.4826 times the median of |x_i - c| over the block's clients and coordinates
+(the standard deviation for Gaussian values). The one-bit code (docs/onebit.md) must
+cover the range its clients' values can take, lambda, with bits whose error scales
+with tau; fixed-range codes spend their levels on lambda. Its reference study's crossover: it wins at b bits a coordinate when
 lambda^2 / (3 (2^b - 1)^2) > V / b, with V about 180 for tails like a Student-t with 4
 degrees of freedom and 1,000 at 2.5, and it loses at 1.5.
 
@@ -32,14 +33,24 @@ import numpy as np
 CROSSOVER = ((2.5, 1000.0), (4.0, 180.0))
 #: Below this tail index the one-bit code loses whatever the range (its study: df 1.5).
 HEAVIEST = 2.0
+#: Coordinates sharing one spread, as the one-bit code's tau blocks do.
+BLOCK = 1024
 
 
-def center_and_spread(stack: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per coordinate (column) of a (clients x coordinates) stack: the median and
-    1.4826 times the median absolute deviation."""
+def center_and_spread(
+    stack: np.ndarray, block: int = BLOCK
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per coordinate (column) of a (clients x coordinates) stack: the median over the
+    clients, and the spread of its block of ``block`` consecutive columns, 1.4826
+    times the median of |x - center| over the block (repeated for each column)."""
     x = np.asarray(stack, dtype=np.float64)
     center = np.median(x, axis=0)
-    return center, 1.4826 * np.median(np.abs(x - center), axis=0)
+    deviation = np.abs(x - center)
+    tau = np.empty(x.shape[1])
+    for start in range(0, x.shape[1], block):
+        part = slice(start, start + block)
+        tau[part] = 1.4826 * np.median(deviation[:, part])
+    return center, tau
 
 
 def hill_tail_index(magnitudes: np.ndarray, top: float = 0.02) -> float:

@@ -17,14 +17,15 @@ from fedcomp.regime import (
 )
 
 
-def test_center_and_spread_are_the_median_and_the_scaled_mad() -> None:
-    x = np.array([[1.0, -4.0], [2.0, 0.0], [10.0, 4.0]])
-    center, tau = center_and_spread(x)
-    assert center.tolist() == [2.0, 0.0]
-    assert tau.tolist() == [1.4826 * 1.0, 1.4826 * 4.0]
+def test_center_and_spread_are_the_median_and_the_blocks_scaled_mad() -> None:
+    x = np.array([[1.0, -4.0, 0.0], [2.0, 0.0, 1.0], [10.0, 4.0, 3.0]])
+    center, tau = center_and_spread(x, block=2)
+    assert center.tolist() == [2.0, 0.0, 1.0]
+    # block 1: deviations 1, 0, 8 and 4, 0, 4: median (1 + 4) / 2; block 2: 1, 0, 2: 1
+    assert tau.tolist() == [1.4826 * 2.5, 1.4826 * 2.5, 1.4826 * 1.0]
     gauss = np.random.default_rng(0).normal(3.0, 2.0, size=(4001, 50))
-    c, t = center_and_spread(gauss)
-    assert np.abs(c - 3.0).max() < 0.12 and np.abs(t - 2.0).max() < 0.15
+    c, t = center_and_spread(gauss, block=10)
+    assert np.abs(c - 3.0).max() < 0.12 and np.abs(t - 2.0).max() < 0.05
 
 
 @pytest.mark.parametrize("df", [1.5, 2.5, 4.0])
