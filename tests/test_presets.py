@@ -120,6 +120,9 @@ def test_residual_cifar10_smoke_runs_two_rounds_at_identical_bytes(data_fixtures
     assert rec["residual_over_delta"] == pytest.approx(
         rec["residual_norm2_mean"] / rec["delta_norm2_mean"], rel=1e-12
     )
+    # the sums over the 16 clients that coded a residual (the bound's terms)
+    for key in ("residual_norm2", "delta_norm2"):
+        assert rec[f"{key}_sum"] == pytest.approx(16 * rec[f"{key}_mean"], rel=1e-12)
 
 
 def test_trees_femnist_smoke_runs_two_rounds_through_each_tree(data_fixtures) -> None:

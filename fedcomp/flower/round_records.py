@@ -87,7 +87,8 @@ def mean(values: list[float]) -> float | None:
 def residual_summary(
     cv: ControlVariateServer | None, counts: RoundCounts, measured: list[dict[str, Any]]
 ) -> dict[str, Any]:
-    """Per-round residual statistics (means over decoded replies that coded a residual)."""
+    """Per-round residual statistics (means, and the sums the control variate's bound is
+    written in, over the decoded replies that coded a residual)."""
     if cv is None:
         return {}
     # A coded residual has compression noise; a full-precision resync has none.
@@ -97,6 +98,8 @@ def residual_summary(
     return {
         "residual_norm2_mean": residual,
         "delta_norm2_mean": delta,
+        "residual_norm2_sum": sum(r["cv-residual-norm2"] for r in coded),
+        "delta_norm2_sum": sum(r["cv-delta-norm2"] for r in coded),
         "residual_over_delta": residual / delta if residual is not None and delta else None,
         "noise_norm2_mean": mean([r["cv-noise-norm2"] for r in coded]),
         # absent when the inner codec claims no omega (EDEN)
