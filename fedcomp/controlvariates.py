@@ -43,6 +43,7 @@ from fedcomp.keys import (
     KEY_CV_CHECKSUM,
     KEY_CV_VERSION,
     KEY_RESYNC,
+    METRIC_CV_BIAS,
     METRIC_CV_BOUND,
     METRIC_CV_DELTA,
     METRIC_CV_NOISE,
@@ -123,6 +124,11 @@ def encode_residual(
             stats[METRIC_CV_RESIDUAL] += r2
             stats[METRIC_CV_NOISE] += float(np.square(r_hat - r, dtype=np.float64).sum())
             stats[METRIC_CV_BOUND] += memory.noise_bound(r2, delta.numel())
+            if memory.bias_draws:
+                x = torch.from_numpy(r).to(delta.dtype)
+                stats[METRIC_CV_BIAS] = stats.get(METRIC_CV_BIAS, 0.0) + memory.bias_estimate(
+                    x, seeds[name]
+                )
         return payload
 
     payloads = encode_all(memory.inner, policy, deltas, seeds, compress)

@@ -108,6 +108,9 @@ METRIC_CV_RESIDUAL = "fedcomp.cv-residual-norm2"
 METRIC_CV_DELTA = "fedcomp.cv-delta-norm2"
 METRIC_CV_NOISE = "fedcomp.cv-noise-norm2"
 METRIC_CV_BOUND = "fedcomp.cv-noise-bound"
+#: An unbiased estimate of ||E decode(encode(r)) - r||^2 on the client's real residuals,
+#: from the residual codec's ``bias_draws`` extra draws (a diagnostic; may be negative).
+METRIC_CV_BIAS = "fedcomp.cv-bias-norm2"
 METRIC_STATE_BYTES = "fedcomp.state-bytes"
 #: The codec's relative error on this client's update, measured by the client.
 METRIC_REL_ERROR = "fedcomp.codec-rel-error"
@@ -161,6 +164,7 @@ PACKED_FIELDS: tuple[str, ...] = (
     METRIC_PREFIX + METRIC_REL_ERROR,
     METRIC_PREFIX + METRIC_OUT_OF_RANGE,
     KEY_BIT_BUDGET,
+    METRIC_PREFIX + METRIC_CV_BIAS,
 )
 
 #: Error reasons of injected faults (clients.faults) contain this, then the fault kind.

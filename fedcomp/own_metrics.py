@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from fedcomp.keys import (
+    METRIC_CV_BIAS,
     METRIC_CV_BOUND,
     METRIC_CV_DELTA,
     METRIC_CV_NOISE,
@@ -74,6 +75,8 @@ OWN_METRICS: dict[str, Bound] = {
     METRIC_CV_DELTA: _NORM2,
     METRIC_CV_NOISE: _NORM2,
     METRIC_CV_BOUND: _NORM2,
+    # an unbiased estimate of a squared norm: negative when the true value is near 0
+    METRIC_CV_BIAS: Bound(-MAX_REPORTED_VALUE, MAX_REPORTED_VALUE),
 }
 
 #: The pre-train evaluation's metrics and their bounds (the example count's upper
@@ -87,11 +90,12 @@ PRE_TRAIN_METRICS: dict[str, Bound] = {
 #: Metrics that are measured together: a reply carries all of a group or none, except
 #: the OPTIONAL names, which may be missing but never come without the rest.
 GROUPS: tuple[tuple[str, ...], ...] = (
-    (METRIC_CV_RESIDUAL, METRIC_CV_DELTA, METRIC_CV_NOISE, METRIC_CV_BOUND),
+    (METRIC_CV_RESIDUAL, METRIC_CV_DELTA, METRIC_CV_NOISE, METRIC_CV_BOUND, METRIC_CV_BIAS),
     tuple(PRE_TRAIN_METRICS),
 )
-#: The noise bound needs the inner codec's omega, which EDEN does not claim.
-OPTIONAL = frozenset({METRIC_CV_BOUND})
+#: The noise bound needs the inner codec's omega, which EDEN does not claim; the bias
+#: estimate is measured only when the codec asks for it (``bias_draws``).
+OPTIONAL = frozenset({METRIC_CV_BOUND, METRIC_CV_BIAS})
 
 
 def _group_problem(metrics: Mapping[str, object]) -> str:

@@ -6,9 +6,10 @@ is the one-bit code's own scale, one per block of BLOCK coordinates (its default
 block): 1.4826 times the median of |x_i - c| over the block's clients and coordinates
 (the standard deviation for Gaussian values). The one-bit code (docs/onebit.md) must
 cover the range its clients' values can take, lambda, with bits whose error scales
-with tau; fixed-range codes spend their levels on lambda. Its reference study's crossover: it wins at b bits a coordinate when
-lambda^2 / (3 (2^b - 1)^2) > V / b, with V about 180 for tails like a Student-t with 4
-degrees of freedom and 1,000 at 2.5, and it loses at 1.5.
+with tau; fixed-range codes spend their levels on lambda. Its reference study's
+crossover: it wins at b bits a coordinate when lambda^2 / (3 (2^b - 1)^2) > V / b, with
+V about 180 for tails like a Student-t with 4 degrees of freedom and 1,000 at 2.5, and
+it loses at 1.5.
 
 Measured per round over the sampled coordinates:
 

@@ -156,7 +156,7 @@ def _make_memory(name: str, params: dict[str, Any]) -> Memory:
         return PowerSGDMemory(**params)
     inner = params.pop("inner", None)
     own = {"dgc": ("momentum", "clip", "warmup_rounds", "warmup_start"),
-           "residual": ("alpha", "bootstrap"),
+           "residual": ("alpha", "bootstrap", "bias_draws"),
            "ef21": ("momentum", "alpha", "bootstrap")}.get(name, ())  # fmt: skip
     options = {k: params.pop(k) for k in own if k in params}
     codec = _inner_codec(name, inner, params)

@@ -27,6 +27,7 @@ import torch
 from fedcomp.codecs.base import Codec
 from fedcomp.codecs.memory import Memory, inner_fields
 from fedcomp.codecs.wire import Payload
+from fedcomp.rng import derive_seed
 
 #: How a reply relates to the control variate (the header's ``fedcomp.resync`` field).
 SYNC_NORMAL = 0  # Q(delta - h) against the committed h of the stated version
@@ -67,6 +68,11 @@ class ResidualMemory(Memory):
         from h = 0 in the same reply at the codec's usual size (Q(delta) is unbiased, so
         nothing is lost); "fp32" sends a full-precision resync (h = delta at once, at 32
         bits per coordinate). A server that finds a MISMATCH always asks for fp32.
+    bias_draws : int
+        A diagnostic, off at 0: with K >= 2, each client also encodes each residual r
+        with K other public seeds and reports :func:`draw_bias` of their decodings, an
+        unbiased estimate of the codec's squared bias ||E decode(encode(r)) - r||^2 on
+        its real residuals (K more encodes a round; nothing more is sent).
     """
 
     name = "residual"
@@ -74,8 +80,24 @@ class ResidualMemory(Memory):
     #: The server's update from a client is h + decode(q) (ef21's: the new mirror).
     estimate_is_mirror = False
 
-    def __init__(self, inner: Codec, alpha: float | None = None, bootstrap: str = "zero") -> None:
+    def __init__(
+        self,
+        inner: Codec,
+        alpha: float | None = None,
+        bootstrap: str = "zero",
+        bias_draws: int = 0,
+    ) -> None:
         self.check_inner(inner, alpha)
+        if (
+            isinstance(bias_draws, bool)
+            or not isinstance(bias_draws, int)
+            or bias_draws < 0
+            or bias_draws == 1
+        ):
+            raise ValueError(
+                f"{self.name}: bias_draws must be 0 (off) or an integer >= 2, got {bias_draws!r}"
+            )
+        self.bias_draws = bias_draws
         if alpha is not None and not (isinstance(alpha, int | float) and 0 < alpha <= 1):
             raise ValueError(f"{self.name}: alpha must be in (0, 1], got {alpha!r}")
         if bootstrap not in BOOTSTRAPS:
@@ -115,7 +137,21 @@ class ResidualMemory(Memory):
             spec["alpha"] = self.alpha
         if self.bootstrap != "zero":
             spec["bootstrap"] = self.bootstrap
+        if self.bias_draws:
+            spec["bias_draws"] = self.bias_draws
         return spec
+
+    def bias_estimate(self, residual: torch.Tensor, seed: int) -> float:
+        """:func:`draw_bias` of ``bias_draws`` decodings of ``residual``, each encoded
+        with its own seed derived from the tensor's (never the one the reply used)."""
+        r = residual.detach().to(torch.float64).numpy()
+        draws = [
+            self.inner.decode(self.inner.encode(residual, seed=derive_seed(seed, "bias", k)))
+            .to(torch.float64)
+            .numpy()
+            for k in range(self.bias_draws)
+        ]
+        return draw_bias(draws, r)
 
     def alpha_limit(self, numel: int) -> float | None:
         """1 / (1 + omega) for a tensor of ``numel`` elements; None when the inner codec
@@ -163,3 +199,17 @@ class ResidualMemory(Memory):
         """omega * ||r||^2: the expected compression noise of one tensor."""
         omega = self.inner.variance_factor(numel)
         return float(omega) * residual_norm2 if omega is not None else math.inf
+
+
+def draw_bias(draws: list[np.ndarray], r: np.ndarray) -> float:
+    """An unbiased estimate of ||E[x_k] - r||^2 from K >= 2 independent draws x_k:
+    (K ||m - r||^2 - mean_k ||x_k - r||^2) / (K - 1), m the draws' mean. (E||m - r||^2 =
+    ||b||^2 + V / K and E||x_k - r||^2 = ||b||^2 + V, V the draws' total variance.)"""
+    k = len(draws)
+    if k < 2:
+        raise ValueError(f"draw_bias needs at least 2 draws, got {k}")
+    x = np.stack([np.asarray(d, dtype=np.float64).reshape(-1) for d in draws])
+    target = np.asarray(r, dtype=np.float64).reshape(-1)
+    mean_error = float(np.sum((x.mean(axis=0) - target) ** 2))
+    single = float(np.mean(np.sum((x - target) ** 2, axis=1)))
+    return (k * mean_error - single) / (k - 1)

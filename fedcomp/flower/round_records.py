@@ -12,6 +12,7 @@ from fedcomp.flower.accounting import wire_and_objects
 from fedcomp.flower.reference import ReplyReference
 from fedcomp.flower.round_state import Decoded
 from fedcomp.keys import (
+    METRIC_CV_BIAS,
     METRIC_CV_BOUND,
     METRIC_CV_DELTA,
     METRIC_CV_NOISE,
@@ -28,6 +29,7 @@ from fedcomp.traffic import Kind, Traffic
 
 #: Client metrics copied into each client's row (without the "fedcomp." prefix).
 _COPIED = (
+    METRIC_CV_BIAS,
     METRIC_CV_RESIDUAL,
     METRIC_CV_DELTA,
     METRIC_CV_NOISE,
@@ -100,6 +102,7 @@ def residual_summary(
         "delta_norm2_mean": delta,
         "residual_norm2_sum": sum(r["cv-residual-norm2"] for r in coded),
         "delta_norm2_sum": sum(r["cv-delta-norm2"] for r in coded),
+        **_bias_summary(coded),
         "residual_over_delta": residual / delta if residual is not None and delta else None,
         "noise_norm2_mean": mean([r["cv-noise-norm2"] for r in coded]),
         # absent when the inner codec claims no omega (EDEN)
@@ -109,6 +112,17 @@ def residual_summary(
         "resync_requests": counts.resync_requests,
         "restarts": counts.restarts,
     }
+
+
+def _bias_summary(coded: list[dict[str, Any]]) -> dict[str, Any]:
+    """The codec's estimated squared bias on the real residuals, summed over the
+    clients that measured it, and over their residuals' squared norms."""
+    measured = [r for r in coded if "cv-bias-norm2" in r]
+    if not measured:
+        return {}
+    bias = sum(r["cv-bias-norm2"] for r in measured)
+    residual = sum(r["cv-residual-norm2"] for r in measured)
+    return {"bias_norm2_sum": bias, "bias_over_residual": bias / residual if residual else None}
 
 
 def round_record(
