@@ -115,16 +115,7 @@ def _reply(codec, widths_override=None, sent_budget=None):
         "v": torch.from_numpy(rng.standard_normal((30, 20)).astype(np.float32) * 0.1),
         "b": torch.from_numpy(rng.standard_normal(8).astype(np.float32)),  # raw
     }
-    instruction = Instruction(
-        config=ConfigRecord({}),
-        codec=codec,
-        policy=TensorPolicy(min_numel=16),
-        stable_id=4,
-        round=2,
-        run_seed=7,
-        global_record=ArrayRecord({}),
-    )
-    encoded = family.encode(instruction, deltas, lambda: None, make_codec("fp32"))
+    encoded = family.encode(_instruction(codec, None), deltas, lambda: None, make_codec("fp32"))
     header = reply_header(reply_content(encoded.header, encoded.payloads, MetricRecord()))
     state = RoundState(number=2, t_start=0.0)
     state.global_arrays = {n: np.zeros(tuple(d.shape), np.float32) for n, d in deltas.items()}
