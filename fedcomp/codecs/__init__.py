@@ -223,6 +223,7 @@ def make_codec_from_spec(spec: Mapping[str, Any]) -> Codec | Memory:
 
 __all__ = [
     "JOINT_CODES",
+    "WHOLE_CODES",
     "Codec",
     "DGCMemory",
     "EF21Memory",
