@@ -85,8 +85,8 @@ class LossSchedule:
         return self.budget
 
     def state_dict(self) -> dict[str, Any]:
-        return {"budget": self.budget, "best": self.best if math.isfinite(self.best) else None,
-                "since": self.since, "observed": self.observed}  # fmt: skip
+        best = self.best if math.isfinite(self.best) else None
+        return {"budget": self.budget, "best": best, "since": self.since, "observed": self.observed}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.budget, self.since = float(state["budget"]), int(state["since"])

@@ -121,7 +121,7 @@ def slots(seed: int, rows: int, cols: int, coords: np.ndarray) -> tuple[np.ndarr
     raw = words(seed, rows, coords)
     buckets = ((raw & _U64(0xFFFFFFFF)) * _U64(cols)) >> _U64(32)
     offsets = (np.arange(rows, dtype=_U64) * _U64(cols))[:, None]
-    signs = (1 - 2 * ((raw >> _U64(32)) & _U64(1)).astype(np.int8)).astype(np.int8)
+    signs = (1 - 2 * ((raw >> _U64(32)) & _U64(1)).astype(np.int8)).astype(np.int8, copy=False)
     return (buckets + offsets).astype(np.intp), signs
 
 

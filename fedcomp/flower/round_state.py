@@ -36,7 +36,7 @@ class Decoded:
     #: The bytes those payloads took in the message (validation.CheckedReply.sent_bytes).
     codec_bytes: int = 0
     #: Joint codes: the checked one-bit payloads, decoded together at hand-over.
-    joint: dict[str, bytes] = field(default_factory=dict)
+    joint: dict[str, bytes | np.ndarray] = field(default_factory=dict)
     #: Residual memory: the mirror this reply moves the client to, stored only once
     #: the reply is accepted (after the outlier check).
     pending: PendingMirror | None = None

@@ -63,7 +63,8 @@ class DecodedUpdate:
     #: Per tensor, the codec it travelled with.
     codecs: dict[str, str]
     #: Joint codes: the checked payloads, decoded together at hand-over.
-    joint: dict[str, bytes] = field(default_factory=dict)
+    #: Summed codes: the checked sketch tables (float64), summed at hand-over.
+    joint: dict[str, bytes | np.ndarray] = field(default_factory=dict)
     #: Residual memory: the mirror the reply moves its client to (stored on accept).
     pending: Any = None
     #: Residual memory: the reply's sync mode.

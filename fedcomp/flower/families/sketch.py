@@ -27,7 +27,6 @@ weighted mean. The state (S_u, S_e) is checkpointed with the run.
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -59,8 +58,6 @@ from fedcomp.flower.validation import (
     allowed_codecs,
     decode_payloads,
 )
-
-log = logging.getLogger("fedcomp.flower.strategy")  # one logger for the wrapper's lines
 
 
 def sketched_names(
@@ -125,7 +122,7 @@ def check_sketches(
             raise ReplyError(f"{name}: {exc}", exc.kind) from None
         if not np.isfinite(table).all():
             raise ReplyError(f"{name}: non-finite values in the sketch", Failure.NONFINITE)
-        tables[name] = bytes(payloads[name])
+        tables[name] = table  # checked once, summed at hand-over
     rest = [n for n in global_arrays if n not in tables]
     deltas, codecs = decode_payloads(
         {n: payloads[n] for n in rest},
@@ -264,7 +261,7 @@ class SketchMean:
         names = list(decoded[0].joint)
         tables, sizes = {}, {}
         for name in names:
-            replies = [(d.stable_id, d.weight, _table(d.joint[name])) for d in decoded]
+            replies = [(d.stable_id, d.weight, d.joint[name]) for d in decoded]
             tables[name] = mean_sketch(replies)
             sizes[name] = int(np.asarray(state.global_arrays[name]).size)
         deltas, stats = fetchsgd_step(
@@ -280,10 +277,6 @@ class SketchMean:
             mean[name] = delta.reshape(reference.shape).astype(reference.dtype, copy=False)
         state.record.joint = {"sketch_replied": len(decoded), **stats}
         return mean
-
-
-def _table(buf: bytes) -> np.ndarray:
-    return CountSketchCodec.read_table(parse_payload(buf))
 
 
 class SketchFamily(Family):

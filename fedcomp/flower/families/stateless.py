@@ -93,8 +93,11 @@ class BudgetRound:
 
     def stats(self) -> dict[str, float]:
         values = list(self.budgets.values())
-        return {"budget_mean": sum(values) / len(values), "budget_min": min(values),
-                "budget_max": max(values)}  # fmt: skip
+        return {
+            "budget_mean": sum(values) / len(values),
+            "budget_min": min(values),
+            "budget_max": max(values),
+        }
 
 
 class AdaptiveServer(StatelessServer):
@@ -142,10 +145,12 @@ class AdaptiveServer(StatelessServer):
     def state_dict(self) -> dict[str, Any]:
         if not self.codec.adapts:
             return {}
-        return {"adaptive": {
-            "schedule": None if self.schedule is None else self.schedule.state_dict(),
-            "weights": {str(k): v for k, v in self.weights.items()},
-        }}  # fmt: skip
+        return {
+            "adaptive": {
+                "schedule": None if self.schedule is None else self.schedule.state_dict(),
+                "weights": {str(k): v for k, v in self.weights.items()},
+            }
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         saved = state.get("adaptive")
