@@ -257,3 +257,5 @@ def test_a_diverged_model_no_reply_can_move_stops_the_run(pattern: int) -> None:
     else:
         fail_if_stuck_diverged(records)
     fail_if_stuck_diverged(records[:2])  # fewer rounds than the wait: never
+    dead = {"replied": 0, "nonfinite_metrics": ["loss"]}
+    fail_if_stuck_diverged([{**dead, "round": 1}, {**dead, "round": 2}])  # two of three

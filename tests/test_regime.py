@@ -94,3 +94,21 @@ def test_the_diagnostics_record_the_statistics_of_the_exact_updates(tmp_path, mo
     want = spread_statistics(stack)
     assert want and {k: got[f"regime_{k}"] for k in want} == want
     assert got["update_power"] > 0
+
+
+def test_hill_is_its_definition_on_a_small_sample() -> None:
+    """k = 2 largest of [16, 8, 4, 2, 1] over the third: 1 / mean(log 4, log 2)."""
+    x = np.array([1.0, 16.0, 4.0, 8.0, 2.0, 0.0])  # zeros are left out
+    assert hill_tail_index(x, top=0.4) == pytest.approx(1 / (1.5 * math.log(2)))
+
+
+def test_the_range_ratio_is_the_99th_percentile_of_each_coordinates_max_over_tau() -> None:
+    """One coordinate far out must not set the ratio (a max would): the 99th percentile
+    over 1,000 coordinates of max_i |x_i| / tau, tau from center_and_spread."""
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(50, 1000))
+    x[0, 17] = 1e6
+    _, tau = center_and_spread(x)
+    expected = float(np.percentile(np.abs(x).max(axis=0) / tau, 99))
+    got = spread_statistics(x)["range_ratio"]
+    assert got == pytest.approx(expected) and got < 100
